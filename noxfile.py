@@ -76,7 +76,8 @@ def database(session: nox.Session, backend: str):
             session.error(str(e))
 
 
-def run_tests(session: nox.Session, backend: str) -> None:
+def in_database(session: nox.Session, backend: str, *command: str) -> None:
+    """Prepare and install the tree, then run ``command`` with the backend's database configured."""
     prepare_tree()
     install(session, backend)
     series = tree.series(ROOT)
@@ -86,16 +87,26 @@ def run_tests(session: nox.Session, backend: str) -> None:
     with database(session, backend) as dsn, tempfile.TemporaryDirectory(prefix="airflow-home.") as home:
         env = {"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": dsn, "BACKEND": backend, "AIRFLOW_HOME": home}
         session.run("python", "scripts/ci/dbserver.py", "check", dsn, env=env)
-        session.run("pytest", *session.posargs, env=env)
+        session.run(*command, env=env)
 
 
-for _backend in DRIVERS:
+def backend_sessions(prefix: str, doc: str, command: tuple[str, ...]) -> None:
+    """Define ``<prefix>-<backend>`` for every backend, running ``command`` + posargs in its database."""
+    for backend in DRIVERS:
 
-    def _tests(session: nox.Session, backend: str = _backend) -> None:
-        run_tests(session, backend)
+        def run(session: nox.Session, backend: str = backend) -> None:
+            in_database(session, backend, *command, *session.posargs)
 
-    _tests.__doc__ = f"Run tests/unit on {_backend} against the patched airflow-core."
-    nox.session(name=f"tests-{_backend}")(_tests)
+        run.__doc__ = doc.format(backend=backend)
+        nox.session(name=f"{prefix}-{backend}")(run)
+
+
+backend_sessions("tests", "Run the tests on {backend} against the patched airflow-core.", ("pytest",))
+backend_sessions(
+    "verify-series",
+    "Prove each patch on {backend}: its tests fail before it, pass with it, the suite stays green.",
+    ("python", "scripts/ci/verify_series.py"),
+)
 
 
 @nox.session(venv_backend="none")

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""
+Prove the series patch by patch: every regression test fails before its patch and passes with it.
+
+For patch k of ``patches/series`` (run with the test session's Python, database configured in the
+environment as for ``pytest``):
+
+1. ``airflow-core/`` at base + patches 1..k-1: the tests marked ``proves(k)`` must fail; one that
+   passes is reported as "does not prove" (tests whose ``base_ok_on`` names this backend are only
+   checked for passing, as the base is not vulnerable there);
+2. at base + 1..k: the same tests must pass;
+3. at base + 1..k: the tests of patches 1..k plus the guards must pass (bisectability).
+
+Skips are counted, never passed off as proof; a patch with no test that ran is a wrong cell. Prints a
+table patch x (fails before, passes after, suite green) and exits 1 if any cell is wrong. The tree is
+moved with ``git checkout`` only (the editable install follows) and is put back at the full series
+afterwards, also on error or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import tree  # noqa: E402
+
+ROOT = tree.PROJECT
+
+
+@dataclass
+class Outcome:
+    """One test's result in one pytest run: ``passed`` | ``failed`` | ``skipped``, plus its marker data."""
+
+    result: str
+    proves: str | None = None
+    base_ok: bool = False
+
+
+def outcomes(junit: Path) -> dict[str, Outcome]:
+    """Read a pytest ``--junitxml`` file: nodeid-ish name -> Outcome (errors count as failed)."""
+    found = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        tags = {child.tag for child in case}
+        result = "failed" if tags & {"failure", "error"} else "skipped" if "skipped" in tags else "passed"
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        found[name] = Outcome(result, props.get("proves"), props.get("base_ok") == "True")
+    return found
+
+
+def run_pytest(args: list[str], pytest_args: list[str]) -> dict[str, Outcome]:
+    """Run pytest in a subprocess with ``args``; return its outcomes (empty if nothing was collected)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+        proc = subprocess.run([*cmd, *args, *pytest_args, "tests/unit"], cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode not in (0, 1, 5) or not junit.exists():
+            raise RuntimeError(f"pytest {' '.join(args)} could not run (exit {proc.returncode}):\n{proc.stdout}")
+        return outcomes(junit)
+
+
+@dataclass
+class Cell:
+    """One table cell: the counts behind it and what is wrong with it."""
+
+    ok: int = 0
+    skipped: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        text = ("ok" if not self.problems else "WRONG") + f" {self.ok}"
+        return text + (f" ({self.skipped} skipped)" if self.skipped else "")
+
+
+def judge_before(results: dict[str, Outcome]) -> Cell:
+    """Tests proving a patch, run without it: each must fail (or pass where its base is not vulnerable)."""
+    cell = Cell()
+    for name, o in results.items():
+        if o.result == "skipped":
+            cell.skipped += 1
+        elif o.base_ok:
+            cell.ok += o.result == "passed"
+            if o.result != "passed":
+                cell.problems.append(f"{name}: fails where base_ok_on says the base is not vulnerable")
+        elif o.result == "failed":
+            cell.ok += 1
+        else:
+            cell.problems.append(f"{name}: passes without its patch: does not prove it")
+    if not cell.ok:
+        cell.problems.append("no test proving this patch ran")
+    return cell
+
+
+def judge_passing(results: dict[str, Outcome], what: str) -> Cell:
+    """Every test that ran must pass."""
+    cell = Cell()
+    for name, o in results.items():
+        cell.skipped += o.result == "skipped"
+        cell.ok += o.result == "passed"
+        if o.result == "failed":
+            cell.problems.append(f"{name}: fails {what}")
+    if not cell.ok:
+        cell.problems.append(f"no test passed {what}")
+    return cell
+
+
+def verify(pytest_args: list[str]) -> int:
+    patches = [p.name for p in tree.series(ROOT)]
+    backend = os.environ.get("BACKEND", "sqlite")
+    rows = []
+    try:
+        for k, patch in enumerate(patches, 1):
+            print(f"[{k}/{len(patches)}] {patch}", flush=True)
+            tree.checkout(ROOT, str(k - 1))
+            before = judge_before(run_pytest(["--proves", patch], pytest_args))
+            tree.checkout(ROOT, str(k))
+            after = judge_passing(run_pytest(["--proves", patch], pytest_args), "with its patch")
+            scope = [a for p in patches[:k] for a in ("--proves", p)]
+            suite = judge_passing(run_pytest([*scope, "--guards"], pytest_args), f"at base + {k} patches")
+            rows.append((patch, before, after, suite))
+    finally:
+        print(tree.checkout(ROOT, "all"))
+    width = max(len(p) for p in patches) if patches else 5
+    print(f"\nverify-series on {backend}\n")
+    print(f"| {'patch':<{width}} | fails before | passes after | suite green at this step |")
+    print(f"|{'-' * (width + 2)}|--------------|--------------|--------------------------|")
+    for patch, *cells in rows:
+        print(f"| {patch:<{width}} | " + " | ".join(f"{str(c):<12}" for c in cells[:2]) + f" | {cells[2]!s:<24} |")
+    problems = [f"{patch}: {p}" for patch, *cells in rows for c in cells for p in c.problems]
+    for p in problems:
+        print(f"WRONG: {p}")
+    print(f"\n{len(rows) - len({p.split(':')[0] for p in problems})} of {len(rows)} patches proven on {backend}")
+    return 1 if problems or not rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(verify(sys.argv[1:]))

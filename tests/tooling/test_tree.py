@@ -1,0 +1,75 @@
+"""scripts/ci/tree.py refuses bad input and leaves airflow-core/ as it was (needs git and the sdist)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TREE = ROOT / "scripts" / "ci" / "tree.py"
+HEADER = "# test series\n"
+
+
+def run_tree(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(TREE), "--root", str(root), *args], capture_output=True, text=True)
+
+
+def snapshot(tree: Path) -> tuple[str, str]:
+    head = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    status = subprocess.run(["git", "-C", str(tree), "status", "--porcelain"], capture_output=True, text=True)
+    return head, status.stdout
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A project root with the real pinned base and an empty series."""
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "patches").mkdir()
+    (tmp_path / "patches" / "series").write_text(HEADER)
+    return tmp_path
+
+
+def test_wrong_sha256_is_refused(project: Path):
+    text = (project / "pyproject.toml").read_text()
+    expected = text.split('sdist-sha256 = "')[1].split('"')[0]
+    (project / "pyproject.toml").write_text(text.replace(expected, "0" * 64))
+    proc = run_tree(project, "prepare")
+    assert proc.returncode == 1
+    assert "sha256 mismatch" in proc.stderr
+    assert "expected " + "0" * 64 in proc.stderr and f"got {expected}" in proc.stderr
+    assert not (project / "airflow-core").exists()
+
+
+def test_broken_patch_names_patch_file_hunk_and_leaves_tree(project: Path):
+    assert run_tree(project, "prepare").returncode == 0
+    tree = project / "airflow-core"
+    before = snapshot(tree)
+    # A patch whose context no longer matches the release (as after a rebase onto another version).
+    target = "src/airflow/callbacks/database_callback_sink.py"
+    lines = (tree / target).read_text().splitlines()
+    n = next(i for i, line in enumerate(lines) if "session.add(db_callback)" in line)
+    patch = (
+        "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+        "From: Tester <t@example.com>\nDate: Sun, 29 Nov 2026 00:00:00 +0000\nSubject: [PATCH] Broken\n\n---\n"
+        f"diff --git a/airflow-core/{target} b/airflow-core/{target}\n"
+        f"--- a/airflow-core/{target}\n+++ b/airflow-core/{target}\n"
+        f"@@ -{n + 1},1 +{n + 1},2 @@\n-        session.add(no_such_line)\n+        pass\n+        pass\n"
+    )
+    (project / "patches" / "broken.patch").write_text(patch)
+    (project / "patches" / "series").write_text(HEADER + "broken.patch\n")
+    proc = run_tree(project, "prepare")
+    assert proc.returncode == 1
+    assert f"patch broken.patch does not apply: file airflow-core/{target}, hunk @@ -{n + 1},1" in proc.stderr
+    assert snapshot(tree) == before
+    assert sorted(p.name for p in project.iterdir()) == ["airflow-core", "patches", "pyproject.toml"]
+
+
+def test_unknown_patch_in_series_is_named(project: Path):
+    (project / "patches" / "series").write_text(HEADER + "missing.patch\n")
+    proc = run_tree(project, "prepare")
+    assert proc.returncode == 1
+    assert "missing.patch" in proc.stderr
