@@ -1,0 +1,667 @@
+# Licensed under the Apache License, Version 2.0 (the "License"); see the Apache Airflow project.
+# ruff: noqa: E402  (airflow must only be imported after the environment below is set)
+"""
+Shared pytest harness for the airflow-core 3.3.2 patch-series regression tests.
+
+Modelled on upstream ``devel-common/src/tests_common/pytest_plugin.py`` (``dag_maker``,
+``session``, ``clear_db_*``), cut down to what this series needs. Everything runs against
+a real database; the schema is created once per run by Airflow itself
+(:func:`airflow.utils.db.resetdb`) and never hand-written.
+
+Environment (all optional):
+
+``AIRFLOW__DATABASE__SQL_ALCHEMY_CONN``
+    DSN of the test database. Default: a sqlite file in ``AIRFLOW_HOME``.
+``BACKEND``
+    ``sqlite`` | ``postgres`` | ``mysql``. Default: derived from the DSN.
+``AIRFLOW_HOME``
+    Default: a fresh temporary directory.
+
+Fixtures: ``session``, ``other_session``, ``dag_maker``, ``scheduler_job_runner``,
+``backend``. Helpers: :func:`make_engine`, :func:`dialect_locks_rows`,
+:func:`server_version`, :func:`schema_revisions`, :func:`clear_db`.
+
+Markers: ``db_test``, ``backend(*names)``, ``proves(patch, base_ok_on=())``, ``guard``.
+Options: ``--proves PATCH`` (only tests proving PATCH), ``--guards`` (guard tests).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+# --------------------------------------------------------------------------------------
+# Environment: must be set BEFORE anything imports airflow (airflow reads its config and
+# builds its engine at import time).
+# --------------------------------------------------------------------------------------
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+SERIES_FILE = PROJECT_ROOT / "patches" / "series"
+
+if not os.environ.get("AIRFLOW_HOME"):
+    import atexit
+    import shutil
+
+    os.environ["AIRFLOW_HOME"] = tempfile.mkdtemp(prefix="airflow-tests-home-")
+    atexit.register(shutil.rmtree, os.environ["AIRFLOW_HOME"], ignore_errors=True)
+_AIRFLOW_HOME = Path(os.environ["AIRFLOW_HOME"])
+(_AIRFLOW_HOME / "dags").mkdir(parents=True, exist_ok=True)
+
+if not os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"):
+    os.environ["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = f"sqlite:///{_AIRFLOW_HOME / 'unittests.db'}"
+
+_TEST_ENV = {
+    # Loads airflow/config_templates/unit_tests.cfg (random fernet key / jwt secret, ...);
+    # the AIRFLOW__* variables below still take precedence over it.
+    "AIRFLOW__CORE__UNIT_TEST_MODE": "True",
+    "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+    "AIRFLOW__CORE__DAGS_FOLDER": str(_AIRFLOW_HOME / "dags"),
+    "AIRFLOW__CORE__PLUGINS_FOLDER": str(_AIRFLOW_HOME / "plugins"),
+    "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+    "AIRFLOW__DATABASE__LOAD_DEFAULT_CONNECTIONS": "False",
+    "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(_AIRFLOW_HOME / "logs"),
+    # dag_maker rewrites a DAG right away when a test changes it (default: at most every 30 s).
+    "AIRFLOW__CORE__MIN_SERIALIZED_DAG_UPDATE_INTERVAL": "0",
+}
+for _key, _value in _TEST_ENV.items():
+    os.environ[_key] = _value
+os.environ.setdefault("AIRFLOW__CORE__FERNET_KEY", "Y2FjYTJhZWQ4ZjFmMzY1NTQ5ZTMxNDM2NjljNGQ4YmQ=")
+os.environ.setdefault("AIRFLOW__API_AUTH__JWT_SECRET", "airflow-patch-series-tests-not-a-secret")
+
+KNOWN_BACKENDS = ("sqlite", "postgres", "mysql")
+
+
+def _backend_from_dsn(dsn: str) -> str:
+    scheme = dsn.split(":", 1)[0].split("+", 1)[0].lower()
+    return {"postgresql": "postgres", "postgres": "postgres", "mysql": "mysql", "mariadb": "mysql"}.get(
+        scheme, scheme
+    )
+
+
+BACKEND = os.environ.get("BACKEND") or _backend_from_dsn(os.environ["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"])
+os.environ["BACKEND"] = BACKEND
+
+# airflow.settings also builds an async engine at import time, deriving its DSN from the sync
+# one (postgresql+asyncpg / mysql+aiomysql / sqlite+aiosqlite) unless SQL_ALCHEMY_CONN_ASYNC is
+# set; without the driver `import airflow` dies with a bare ModuleNotFoundError. Say why instead.
+if not os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC"):
+    import importlib.util
+
+    _async_driver = {"postgres": "asyncpg", "mysql": "aiomysql", "sqlite": "aiosqlite"}.get(BACKEND)
+    if _async_driver and importlib.util.find_spec(_async_driver) is None:
+        raise ImportError(
+            f"airflow.settings creates its async engine with {_async_driver!r} for BACKEND={BACKEND}: "
+            f"install {_async_driver} (or set AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC)"
+        )
+
+# --------------------------------------------------------------------------------------
+# Imports that pull in airflow (after the environment is in place).
+# --------------------------------------------------------------------------------------
+import contextlib
+from collections.abc import Generator
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from airflow import settings
+from airflow.executors.base_executor import BaseExecutor
+from sqlalchemy import delete, select, text
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import sessionmaker
+
+if TYPE_CHECKING:
+    from airflow.callbacks.callback_requests import CallbackRequest
+    from airflow.jobs.scheduler_job_runner import SchedulerJobRunner
+    from airflow.models.dagrun import DagRun
+    from sqlalchemy.engine import Engine
+    from sqlalchemy.orm import Session
+
+# Same value as upstream tests_common.test_utils.db DEFAULT_DATE.
+DEFAULT_DATE = datetime(2016, 1, 1, tzinfo=timezone.utc)
+DAG_MAKER_BUNDLE = "dag_maker"
+
+if BACKEND not in KNOWN_BACKENDS:
+    raise pytest.UsageError(f"BACKEND={BACKEND!r}; expected one of {', '.join(KNOWN_BACKENDS)}")
+
+
+# ======================================================================================
+# Patch series / markers / options
+# ======================================================================================
+def read_series(path: Path = SERIES_FILE) -> list[str] | None:
+    """Patch file names listed in ``patches/series`` (quilt format), or None if there is no file."""
+    if not path.is_file():
+        return None
+    names = []
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.append(line.split()[0])
+    return names
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("patch-series")
+    group.addoption(
+        "--proves",
+        action="append",
+        metavar="PATCH",
+        default=None,
+        help="Only run tests marked @pytest.mark.proves(PATCH) (PATCH must be listed in patches/series); "
+        "repeat for several patches.",
+    )
+    group.addoption(
+        "--guards",
+        action="store_true",
+        default=False,
+        help="Select tests marked @pytest.mark.guard (combined with --proves: both sets).",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "db_test: test uses the metadata database")
+    config.addinivalue_line(
+        "markers", "backend(*names): run only when BACKEND is one of names (sqlite, postgres, mysql)"
+    )
+    config.addinivalue_line(
+        "markers",
+        "proves(patch, base_ok_on=()): regression test for PATCH (a patches/series entry); must fail "
+        "without it and pass with it, except on the backends in base_ok_on where the base is not "
+        "vulnerable (there it must pass either way)",
+    )
+    config.addinivalue_line("markers", "guard: behaviour that must hold before and after every patch")
+
+    wanted = config.getoption("--proves")
+    if wanted is not None:
+        series = read_series()
+        unknown = [w for w in wanted if series is not None and w not in series]
+        if unknown:
+            raise pytest.UsageError(f"--proves {', '.join(unknown)}: not listed in {SERIES_FILE}")
+
+
+def _proves_args(item: pytest.Item, series: list[str] | None) -> tuple[str, tuple[str, ...]] | None:
+    marker = item.get_closest_marker("proves")
+    if marker is None:
+        return None
+    where = f"{item.nodeid}: @pytest.mark.proves"
+    if len(marker.args) != 1 or not isinstance(marker.args[0], str):
+        raise pytest.UsageError(f"{where} takes exactly one patch file name, got {marker.args!r}")
+    unknown_kw = set(marker.kwargs) - {"base_ok_on"}
+    if unknown_kw:
+        raise pytest.UsageError(f"{where}: unknown keyword(s) {sorted(unknown_kw)}")
+    patch = marker.args[0]
+    if not patch.endswith(".patch"):
+        raise pytest.UsageError(f"{where}({patch!r}): expected a '*.patch' file name")
+    if series is not None and patch not in series:
+        raise pytest.UsageError(f"{where}({patch!r}): not listed in {SERIES_FILE}")
+    base_ok_on = marker.kwargs.get("base_ok_on", ())
+    if isinstance(base_ok_on, str):
+        base_ok_on = (base_ok_on,)
+    bad = set(base_ok_on) - set(KNOWN_BACKENDS)
+    if bad:
+        raise pytest.UsageError(f"{where}: base_ok_on has unknown backend(s) {sorted(bad)}")
+    return patch, tuple(base_ok_on)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    series = read_series()
+    wanted = config.getoption("--proves")
+    guards = config.getoption("--guards")
+    selected, deselected = [], []
+    for item in items:
+        proves = _proves_args(item, series)
+        if proves is not None:
+            patch, base_ok_on = proves
+            # Exposed to --junitxml / reports for the verify-series tool.
+            item.user_properties.append(("proves", patch))
+            item.user_properties.append(("base_ok", BACKEND in base_ok_on))
+        is_guard = item.get_closest_marker("guard") is not None
+        if is_guard:
+            item.user_properties.append(("guard", True))
+
+        backend_marker = item.get_closest_marker("backend")
+        if backend_marker is not None:
+            bad = set(backend_marker.args) - set(KNOWN_BACKENDS)
+            if bad or not backend_marker.args:
+                raise pytest.UsageError(
+                    f"{item.nodeid}: @pytest.mark.backend{backend_marker.args!r}: "
+                    f"expected names from {KNOWN_BACKENDS}"
+                )
+            if BACKEND not in backend_marker.args:
+                item.add_marker(
+                    pytest.mark.skip(reason=f"backend {BACKEND!r} not in {', '.join(backend_marker.args)}")
+                )
+
+        everything = wanted is None and not guards
+        proves_wanted = wanted is not None and proves is not None and proves[0] in wanted
+        if everything or proves_wanted or (guards and is_guard):
+            selected.append(item)
+        else:
+            deselected.append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    import airflow
+    from sqlalchemy.engine import make_url
+
+    url = make_url(settings.SQL_ALCHEMY_CONN).render_as_string(hide_password=True)
+    lines = [
+        f"airflow {airflow.__version__} from {Path(airflow.__file__).parent}",
+        f"backend {BACKEND}: {url}",
+    ]
+    try:
+        with settings.engine.connect() as conn:
+            lines.append(f"server version: {_server_version(conn)}")
+    except SQLAlchemyError as e:  # The DB fixtures report the real error.
+        lines.append(f"server version: <unreachable: {type(e).__name__}>")
+    return lines
+
+
+# ======================================================================================
+# Database helpers
+# ======================================================================================
+def _server_version(conn) -> str:
+    name = conn.dialect.name
+    if name == "sqlite":
+        return "SQLite " + conn.execute(text("select sqlite_version()")).scalar_one()
+    if name == "postgresql":
+        return conn.execute(text("select version()")).scalar_one()
+    if name == "mysql":
+        version = conn.execute(text("select version()")).scalar_one()
+        flavour = "MariaDB" if "mariadb" in version.lower() else "MySQL"
+        return f"{flavour} {version}"
+    return f"{name} {conn.dialect.server_version_info}"
+
+
+def server_version(session: Session) -> str:
+    """Human-readable server version, e.g. ``'PostgreSQL 15.8 ...'``, ``'MariaDB 10.11.6-MariaDB...'``."""
+    return _server_version(session.connection())
+
+
+def schema_revisions(session: Session) -> tuple[str | None, tuple[str, ...]]:
+    """``(revision stamped in alembic_version, heads of Airflow's migration scripts)``."""
+    from airflow.utils.db import _get_current_revision, _get_script_object
+
+    return _get_current_revision(session), tuple(_get_script_object().get_heads())
+
+
+def dialect_locks_rows(session: Session) -> bool:
+    """
+    Whether ``airflow.utils.sqlalchemy.with_row_locks`` really emits ``FOR UPDATE`` here.
+
+    False on sqlite (no row locks at all) and on MariaDB: Airflow only locks on the mysql
+    dialect when ``dialect.supports_for_update_of`` (MySQL >= 8), which MariaDB never has
+    (https://jira.mariadb.org/browse/MDEV-13115), so ``with_row_locks`` returns the query
+    unchanged there.
+    """
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.sqlalchemy import with_row_locks
+
+    stmt = with_row_locks(select(TaskInstance.id), session=session)
+    sql = str(stmt.compile(dialect=session.get_bind().dialect))
+    return "FOR UPDATE" in sql.upper() or "FOR NO KEY UPDATE" in sql.upper()
+
+
+def no_row_locks_reason(session: Session) -> str:
+    """Skip reason to use when :func:`dialect_locks_rows` is False."""
+    if BACKEND == "mysql":
+        return (
+            f"Airflow's with_row_locks emits no FOR UPDATE on {server_version(session)} "
+            "(MariaDB / MySQL < 8 lack supports_for_update_of; Airflow does not support MariaDB)"
+        )
+    return f"Airflow's with_row_locks emits no row lock on {BACKEND}"
+
+
+def make_engine() -> Engine:
+    """
+    A new, independent Engine on the test DSN, built like ``airflow.settings.configure_orm``.
+
+    Same engine args (MySQL READ COMMITTED, pool settings), connect args and event handlers
+    (sqlite foreign keys + WAL, MySQL UTC time zone). The caller must ``dispose()`` it; the
+    ``other_session`` fixture does so.
+    """
+    from airflow.utils.orm_event_handlers import setup_event_handlers
+
+    connect_args = dict(settings._get_connect_args("sync"))
+    if settings.SQL_ALCHEMY_CONN.startswith("sqlite"):
+        connect_args["check_same_thread"] = False
+    engine = settings.create_metadata_engine(
+        settings.SQL_ALCHEMY_CONN,
+        engine_args=settings.prepare_engine_args(),
+        connect_args=connect_args,
+    )
+    setup_event_handlers(engine)
+    return engine
+
+
+def make_session_factory(engine: Engine) -> sessionmaker:
+    """A sessionmaker configured like Airflow's (no autoflush, no expire on commit)."""
+    return sessionmaker(bind=engine, autoflush=False, expire_on_commit=False)
+
+
+# Tables whose rows come from initdb itself and must survive cleaning.
+_KEEP_TABLES = {"alembic_version", "log_template"}
+
+
+def clear_db(session: Session | None = None) -> None:
+    """
+    Delete the rows tests create (upstream ``clear_db_*`` helpers, in one go).
+
+    Every Airflow table is emptied with a Core ``DELETE`` in reverse foreign-key order
+    (dag runs, TIs, TI history, task_reschedule, callback, job, dag, serialized_dag,
+    dag_version, dag_bundle, log, xcom, assets, ...), except ``alembic_version`` and
+    ``log_template``; ``slot_pool`` keeps only the default pool. The schema is untouched.
+    """
+    from airflow.models.base import Base
+    from airflow.models.pool import Pool
+
+    own = session is None
+    if own:
+        session = settings.NonScopedSession()
+    try:
+        session.rollback()
+        if session.get_bind().dialect.name == "postgresql":
+            # A test that leaked a row lock makes cleaning fail loudly instead of hanging.
+            session.execute(text("SET LOCAL lock_timeout = '30s'"))
+        for table in reversed(Base.metadata.sorted_tables):
+            if table.name in _KEEP_TABLES:
+                continue
+            if table.name == Pool.__tablename__:
+                session.execute(delete(table).where(table.c.pool != Pool.DEFAULT_POOL_NAME))
+            else:
+                session.execute(delete(table))
+        session.commit()
+    finally:
+        if own:
+            session.close()
+
+
+# ======================================================================================
+# Fixtures: database
+# ======================================================================================
+@pytest.fixture(scope="session", autouse=True)
+def _initialize_db() -> Generator[None, None, None]:
+    """Drop and recreate the schema once per run with Airflow's own code (``airflow db reset``)."""
+    from airflow.models import import_all_models
+    from airflow.utils import db
+
+    import_all_models()
+    db.resetdb()
+    settings.Session.remove()
+    yield
+    settings.Session.remove()
+    settings.engine.dispose()
+
+
+@pytest.fixture(autouse=True)
+def _clean_db(_initialize_db) -> Generator[None, None, None]:
+    clear_db()
+    yield
+    settings.Session.remove()
+    clear_db()
+
+
+@pytest.fixture
+def backend() -> str:
+    """``'sqlite'``, ``'postgres'`` or ``'mysql'`` (MariaDB counts as mysql)."""
+    return BACKEND
+
+
+@pytest.fixture
+def session() -> Generator[Session, None, None]:
+    """
+    ``airflow.settings.Session()``: the thread's scoped session, i.e. the very session that
+    ``@provide_session`` code called without ``session=`` uses (and commits/closes).
+    Rolled back and removed at teardown.
+    """
+    session = settings.Session()
+    yield session
+    session.rollback()
+    session.close()
+    settings.Session.remove()
+
+
+@pytest.fixture
+def other_session() -> Generator[Session, None, None]:
+    """A session on a second, independent Engine (its own connection) for concurrency tests."""
+    engine = make_engine()
+    session = make_session_factory(engine)()
+    try:
+        yield session
+    finally:
+        with contextlib.suppress(Exception):
+            session.rollback()
+        session.close()
+        engine.dispose()
+
+
+# ======================================================================================
+# dag_maker
+# ======================================================================================
+class DagMaker:
+    """
+    Builds an SDK DAG and writes it to the DB the way the dag-processor does.
+
+    ``with dag_maker("dag_id", session=session, **dag_kwargs) as dag: <operators>``.
+    On exit the DAG is serialized (``LazyDeserializedDAG``) and written with
+    ``airflow.dag_processing.collection.update_dag_parsing_results_in_db`` (DagModel,
+    SerializedDagModel, DagVersion, DagCode) under bundle ``dag_maker`` (DagBundleModel row
+    created first), then committed.
+
+    Attributes after the ``with`` block: ``dag`` (SDK DAG), ``serialized_dag``
+    (scheduler-side ``SerializedDAG``, read back from the DB), ``serialized_model``
+    (``SerializedDagModel``), ``dag_model`` (``DagModel``), ``dag_version`` (``DagVersion``),
+    ``session``.
+    """
+
+    def __init__(self) -> None:
+        self.dag = None
+        self.session: Session | None = None
+        self.bundle_name = DAG_MAKER_BUNDLE
+        self.serialized_dag = None
+        self.serialized_model = None
+        self.dag_model = None
+        self.dag_version = None
+        self._dag_kwargs: dict[str, Any] = {}
+        self._dag_id: str | None = None
+
+    def __call__(
+        self,
+        dag_id: str = "test_dag",
+        *,
+        session: Session | None = None,
+        bundle_name: str = DAG_MAKER_BUNDLE,
+        **dag_kwargs: Any,
+    ) -> DagMaker:
+        self._dag_id = dag_id
+        self.session = session if session is not None else settings.Session()
+        self.bundle_name = bundle_name
+        dag_kwargs.setdefault("start_date", DEFAULT_DATE)
+        dag_kwargs.setdefault("schedule", None)
+        self._dag_kwargs = dag_kwargs
+        return self
+
+    def __enter__(self):
+        from airflow.sdk import DAG
+
+        self.dag = DAG(self._dag_id, **self._dag_kwargs)
+        self.dag.fileloc = str(_AIRFLOW_HOME / "dags" / f"{self._dag_id}.py")
+        self.dag.relative_fileloc = f"{self._dag_id}.py"
+        self.dag.__enter__()
+        return self.dag
+
+    def __exit__(self, exc_type, exc, tb):
+        self.dag.__exit__(exc_type, exc, tb)
+        if exc_type is not None:
+            return
+        self.sync_to_db()
+
+    def sync_to_db(self) -> None:
+        """(Re)write ``self.dag`` to the DB like the dag-processor, and commit."""
+        from airflow.dag_processing.collection import update_dag_parsing_results_in_db
+        from airflow.models.dag import DagModel
+        from airflow.models.dag_version import DagVersion
+        from airflow.models.dagbundle import DagBundleModel
+        from airflow.models.serialized_dag import SerializedDagModel
+        from airflow.serialization.serialized_objects import LazyDeserializedDAG
+
+        session = self.session
+        if session.get(DagBundleModel, self.bundle_name) is None:
+            session.add(DagBundleModel(name=self.bundle_name))
+            session.flush()
+        import_errors: dict[tuple[str, str], str] = {}
+        update_dag_parsing_results_in_db(
+            bundle_name=self.bundle_name,
+            bundle_version=None,
+            dags=[LazyDeserializedDAG.from_dag(self.dag)],
+            import_errors=import_errors,
+            parse_duration=None,
+            warnings=set(),
+            session=session,
+        )
+        if import_errors:
+            raise RuntimeError(f"dag_maker: writing {self.dag.dag_id!r} failed: {import_errors}")
+        session.commit()
+
+        dag_id = self.dag.dag_id
+        self.dag_model = session.get(DagModel, dag_id)
+        self.serialized_model = SerializedDagModel.get(dag_id, session=session)
+        self.serialized_dag = self.serialized_model.dag
+        self.dag_version = DagVersion.get_latest_version(dag_id, session=session)
+
+    def create_dagrun(self, *, session: Session | None = None, **kwargs: Any) -> DagRun:
+        """
+        ``SerializedDAG.create_dagrun`` (the scheduler's code path) with test defaults, committed.
+
+        Defaults: ``run_type=MANUAL``, ``logical_date=DEFAULT_DATE`` (pass ``None`` for a run
+        without one), ``run_after=logical_date or now``, ``data_interval`` from the timetable
+        (for non-manual runs: the scheduled interval starting at ``logical_date``),
+        ``state=RUNNING``, ``start_date=now``, ``triggered_by=TEST``, ``run_id`` generated
+        like Airflow's. Any other ``create_dagrun`` keyword is passed through.
+        Returns the DagRun; its TIs (state None) exist in the DB (``dag_run.task_instances``).
+        """
+        from airflow._shared.timezones import timezone as tz
+        from airflow.models.dagrun import DagRun
+        from airflow.utils.state import DagRunState
+        from airflow.utils.types import DagRunTriggeredByType, DagRunType
+
+        if self.serialized_dag is None:
+            raise RuntimeError("dag_maker.create_dagrun() called before the `with dag_maker(...)` block")
+        session = session if session is not None else self.session
+        dag = self.serialized_dag
+
+        run_type = DagRunType(kwargs.pop("run_type", DagRunType.MANUAL))
+        logical_date = kwargs.pop("logical_date", DEFAULT_DATE)
+        run_after = tz.coerce_datetime(kwargs.pop("run_after", None) or logical_date or tz.utcnow())
+        if logical_date is not None:
+            logical_date = tz.coerce_datetime(logical_date)
+            if "data_interval" not in kwargs:
+                kwargs["data_interval"] = _infer_data_interval(dag, run_type, logical_date)
+        kwargs.setdefault(
+            "run_id",
+            DagRun.generate_run_id(run_type=run_type, logical_date=logical_date, run_after=run_after),
+        )
+        kwargs.setdefault("state", DagRunState.RUNNING)
+        kwargs.setdefault("start_date", tz.utcnow())
+        kwargs.setdefault("triggered_by", DagRunTriggeredByType.TEST)
+
+        dag_run = dag.create_dagrun(
+            run_type=run_type, logical_date=logical_date, run_after=run_after, session=session, **kwargs
+        )
+        session.commit()
+        return dag_run
+
+
+def _infer_data_interval(dag, run_type, logical_date):
+    """Data interval the scheduler would give a run of ``dag`` at ``logical_date``."""
+    from airflow.timetables.base import TimeRestriction
+    from airflow.utils.types import DagRunType
+
+    if run_type != DagRunType.MANUAL:
+        info = dag.timetable.next_dagrun_info_v2(
+            last_dagrun_info=None,
+            restriction=TimeRestriction(earliest=logical_date, latest=None, catchup=True),
+        )
+        if info is not None and info.logical_date == logical_date and info.data_interval is not None:
+            return info.data_interval
+    return dag.timetable.infer_manual_data_interval(run_after=logical_date)
+
+
+@pytest.fixture
+def dag_maker() -> Generator[DagMaker, None, None]:
+    """See :class:`DagMaker`."""
+    yield DagMaker()
+
+
+# ======================================================================================
+# Scheduler
+# ======================================================================================
+class RecordingExecutor(BaseExecutor):
+    """
+    A real ``BaseExecutor`` that executes nothing and records what the scheduler tells it.
+
+    ``callbacks_sent``: list of ``CallbackRequest`` passed to ``send_callback`` (which still
+    runs ``BaseExecutor.send_callback`` -> ``callback_sink.send`` -> a ``callback`` row).
+    ``state_changes``: list of ``(key, state, remove_running)`` from ``change_state``
+    (``fail``/``success`` go through it too), recorded before the real implementation runs.
+    Queued workloads stay in ``queued_tasks``; ``sync`` does nothing.
+    """
+
+    supports_callbacks = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.callbacks_sent: list[CallbackRequest] = []
+        self.state_changes: list[tuple[Any, Any, bool]] = []
+
+    def send_callback(self, request: CallbackRequest, **kwargs: Any) -> None:
+        # **kwargs: the series passes the caller's ``session`` (issue 8); the base passes nothing.
+        self.callbacks_sent.append(request)
+        super().send_callback(request, **kwargs)
+
+    def change_state(self, key, state, info=None, remove_running=True) -> None:
+        self.state_changes.append((key, state, remove_running))
+        super().change_state(key, state, info, remove_running=remove_running)
+
+    def _process_workloads(self, workloads) -> None:
+        pass  # Nothing is executed.
+
+    def sync(self) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def terminate(self) -> None:
+        pass
+
+
+@pytest.fixture
+def scheduler_job_runner() -> Generator[SchedulerJobRunner, None, None]:
+    """
+    A real ``SchedulerJobRunner`` on a real, persisted ``Job`` (``runner.job.id`` set).
+
+    Wired like ``SchedulerJobRunner._execute``: ``runner.executor is runner.executors[0]``
+    is a :class:`RecordingExecutor` with ``job_id`` set and a ``DatabaseCallbackSink``;
+    ``runner.scheduler_dag_bag`` is the real ``CachedDBDagBag``.
+    """
+    from airflow.callbacks.database_callback_sink import DatabaseCallbackSink
+    from airflow.executors.executor_utils import ExecutorName
+    from airflow.jobs.job import Job
+    from airflow.jobs.scheduler_job_runner import SchedulerJobRunner
+
+    executor = RecordingExecutor()
+    executor.name = ExecutorName(module_path=f"{__name__}.RecordingExecutor", alias="RecordingExecutor")
+    job = Job()
+    runner = SchedulerJobRunner(job=job, executors=[executor])
+    with settings.NonScopedSession() as s:
+        job.prepare_for_execution(session=s)  # what run_job() does: state RUNNING, committed
+    for ex in runner.executors:
+        ex.job_id = job.id
+        ex.callback_sink = DatabaseCallbackSink()
+        ex.start()
+    yield runner
+    for ex in runner.executors:
+        ex.end()
