@@ -122,7 +122,16 @@ def soak(session: nox.Session, backend: str) -> None:
     label = "base" if "--base" in args else "series"
     args = [a for a in args if a != "--base"]
     report = ROOT / "soak-results" / f"{backend}-{label}"
-    command = ("python", "tests/soak/run_soak.py", "--backend", backend, "--label", label, "--report", str(report))
+    command = (
+        "python",
+        "tests/soak/run_soak.py",
+        "--backend",
+        backend,
+        "--label",
+        label,
+        "--report",
+        str(report),
+    )
     if label == "series":
         in_database(session, backend, *command, *args, dsn_flag=True)
         return
@@ -139,8 +148,17 @@ for _backend in ("postgres", "mysql"):  # not sqlite: LocalExecutor needs concur
     def _soak(session: nox.Session, backend: str = _backend) -> None:
         soak(session, backend)
 
-    _soak.__doc__ = f"Chaos soak on {_backend} with real Airflow processes; `-- --base` for the pristine release."
+    _soak.__doc__ = (
+        f"Chaos soak on {_backend} with real Airflow processes; `-- --base` for the pristine release."
+    )
     nox.session(name=f"soak-{_backend}")(_soak)
+
+
+@nox.session
+def tooling(session: nox.Session) -> None:
+    """Test the project's own tools (tree, verify-series, trailers, status, export); no database."""
+    session.install("pytest")
+    session.run("pytest", "tests/tooling", *session.posargs)
 
 
 @nox.session(venv_backend="none")

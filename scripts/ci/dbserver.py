@@ -66,7 +66,9 @@ def _postgres(tmp: Path) -> Iterator[str]:
     subprocess.run(_as_postgres([initdb, "-D", str(data), "-A", "trust", "-U", "postgres", "-E", "UTF8"]),
                    check=True, capture_output=True)  # fmt: skip
     opts = f"-p {port} -k {tmp} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
-    start = _as_postgres([pg_ctl, "-D", str(data), "-l", str(tmp / "log"), "-o", opts, "-w", "-t", "60", "start"])
+    start = _as_postgres(
+        [pg_ctl, "-D", str(data), "-l", str(tmp / "log"), "-o", opts, "-w", "-t", "60", "start"]
+    )
     if subprocess.run(start, capture_output=True).returncode:
         raise ServerError(f"postgres did not start: {(tmp / 'log').read_text()[-2000:]}")
     try:
@@ -75,7 +77,9 @@ def _postgres(tmp: Path) -> Iterator[str]:
                        check=True, capture_output=True)  # fmt: skip
         yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/airflow"
     finally:
-        subprocess.run(_as_postgres([pg_ctl, "-D", str(data), "-m", "immediate", "stop"]), capture_output=True)
+        subprocess.run(
+            _as_postgres([pg_ctl, "-D", str(data), "-m", "immediate", "stop"]), capture_output=True
+        )
 
 
 @contextlib.contextmanager
@@ -100,7 +104,9 @@ def _mariadb(tmp: Path) -> Iterator[str]:
                 raise ServerError(f"mariadbd did not start: {(tmp / 'log').read_text()[-2000:]}")
             time.sleep(0.2)  # polling a starting server, not synchronising tests
         sql = "CREATE DATABASE airflow CHARACTER SET utf8mb4 COLLATE utf8mb4_unicode_ci"
-        subprocess.run([shutil.which("mariadb") or "mysql", f"--socket={sock}", "-uroot", "-e", sql], check=True)
+        subprocess.run(
+            [shutil.which("mariadb") or "mysql", f"--socket={sock}", "-uroot", "-e", sql], check=True
+        )
         yield f"mysql+mysqldb://root@127.0.0.1:{port}/airflow"
     finally:
         proc.send_signal(signal.SIGTERM)

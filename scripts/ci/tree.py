@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import os
 import re
 import shutil
@@ -69,7 +70,9 @@ def series(root: Path) -> list[Path]:
 
 def git(tree: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **GIT_ENV}
-    return subprocess.run(["git", "-C", str(tree), *args], env=env, text=True, capture_output=True, check=check)
+    return subprocess.run(
+        ["git", "-C", str(tree), *args], env=env, text=True, capture_output=True, check=check
+    )
 
 
 def cache_dir() -> Path:
@@ -84,7 +87,9 @@ def fetch_sdist(cfg: dict[str, str]) -> Path:
     found = sorted(dest.glob(f"{name}-{cfg['version']}.tar.gz"))
     if not found:
         spec = f"{cfg['package']}=={cfg['version']}"
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(dest)]
+        # A venv made by uv has no pip: use uv's ephemeral pip there.
+        pip = [sys.executable, "-m", "pip"] if importlib.util.find_spec("pip") else ["uvx", "pip"]
+        cmd = [*pip, "download", "--no-deps", "--no-binary", ":all:", "-d", str(dest)]
         proc = subprocess.run([*cmd, spec], text=True, capture_output=True)
         found = sorted(dest.glob(f"{name}-{cfg['version']}.tar.gz"))
         if proc.returncode or not found:
@@ -139,17 +144,24 @@ def explain_am_failure(patch: Path, output: str) -> str:
     return f"patch {patch.name} does not apply: file {path}, hunk {hunk}"
 
 
-def build(root: Path, cfg: dict[str, str], patches: list[Path], dest: Path) -> None:
-    """Build base + series as a git repository at ``dest`` (which must not exist)."""
-    sdist = fetch_sdist(cfg)
+def unpack_sdist(sdist: Path, dest: Path, only: set[str] | None = None) -> None:
+    """Unpack ``sdist`` into ``dest`` (created; must not exist) without its top-level directory.
+
+    ``only``: the paths (relative to that directory) to unpack; default: all.
+    """
     dest.mkdir()
     with tarfile.open(sdist) as tar:
         top = tar.getnames()[0].split("/", 1)[0]
         for member in tar.getmembers():
             parts = member.name.split("/", 1)
-            if len(parts) == 2 and parts[0] == top:
+            if len(parts) == 2 and parts[0] == top and (only is None or parts[1] in only):
                 member.name = parts[1]
                 tar.extract(member, dest, filter="data")
+
+
+def build(root: Path, cfg: dict[str, str], patches: list[Path], dest: Path) -> None:
+    """Build base + series as a git repository at ``dest`` (which must not exist)."""
+    unpack_sdist(fetch_sdist(cfg), dest)
     # git am needs a repository whose paths match the patches' upstream layout (airflow-core/...):
     # the repository root is the directory above, shared with nothing else, so make a private one.
     git(dest, "init", "-q", "-b", "series")
@@ -163,7 +175,9 @@ def build(root: Path, cfg: dict[str, str], patches: list[Path], dest: Path) -> N
     )
     git(dest, "tag", "base")
     for patch in patches:
-        proc = git(dest, "am", "-q", "--keep-cr", "-p2", "--committer-date-is-author-date", str(patch), check=False)
+        proc = git(
+            dest, "am", "-q", "--keep-cr", "-p2", "--committer-date-is-author-date", str(patch), check=False
+        )
         if proc.returncode:
             raise TreeError(explain_am_failure(patch, proc.stdout + proc.stderr))
     (dest / ".git" / STAMP).write_text(stamp_of(cfg, patches))
@@ -240,7 +254,9 @@ def refresh(root: Path) -> str:
             shutil.move(f, root / "patches" / name)
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    header = "# The patch series, applied in this order onto the pinned base (quilt format: one file per line).\n"
+    header = (
+        "# The patch series, applied in this order onto the pinned base (quilt format: one file per line).\n"
+    )
     (root / "patches" / "series").write_text(header + "".join(f"{n}\n" for n in names))
     git(tree, "checkout", "-q", "-B", "series", "HEAD")
     (tree / ".git" / STAMP).write_text(stamp_of(base_config(root), series(root)))

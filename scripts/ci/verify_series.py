@@ -59,9 +59,13 @@ def run_pytest(args: list[str], pytest_args: list[str]) -> dict[str, Outcome]:
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
-        proc = subprocess.run([*cmd, *args, *pytest_args, "tests/unit"], cwd=ROOT, capture_output=True, text=True)
+        proc = subprocess.run(
+            [*cmd, *args, *pytest_args, "tests/unit"], cwd=ROOT, capture_output=True, text=True
+        )
         if proc.returncode not in (0, 1, 5) or not junit.exists():
-            raise RuntimeError(f"pytest {' '.join(args)} could not run (exit {proc.returncode}):\n{proc.stdout}")
+            raise RuntimeError(
+                f"pytest {' '.join(args)} could not run (exit {proc.returncode}):\n{proc.stdout}"
+            )
         return outcomes(junit)
 
 
@@ -131,11 +135,17 @@ def verify(pytest_args: list[str]) -> int:
     print(f"| {'patch':<{width}} | fails before | passes after | suite green at this step |")
     print(f"|{'-' * (width + 2)}|--------------|--------------|--------------------------|")
     for patch, *cells in rows:
-        print(f"| {patch:<{width}} | " + " | ".join(f"{str(c):<12}" for c in cells[:2]) + f" | {cells[2]!s:<24} |")
+        print(
+            f"| {patch:<{width}} | "
+            + " | ".join(f"{str(c):<12}" for c in cells[:2])
+            + f" | {cells[2]!s:<24} |"
+        )
     problems = [f"{patch}: {p}" for patch, *cells in rows for c in cells for p in c.problems]
     for p in problems:
         print(f"WRONG: {p}")
-    print(f"\n{len(rows) - len({p.split(':')[0] for p in problems})} of {len(rows)} patches proven on {backend}")
+    print(
+        f"\n{len(rows) - len({p.split(':')[0] for p in problems})} of {len(rows)} patches proven on {backend}"
+    )
     return 1 if problems or not rows else 0
 
 

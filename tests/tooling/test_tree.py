@@ -15,11 +15,15 @@ HEADER = "# test series\n"
 
 
 def run_tree(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(TREE), "--root", str(root), *args], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, str(TREE), "--root", str(root), *args], capture_output=True, text=True
+    )
 
 
 def snapshot(tree: Path) -> tuple[str, str]:
-    head = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    head = subprocess.run(
+        ["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout
     status = subprocess.run(["git", "-C", str(tree), "status", "--porcelain"], capture_output=True, text=True)
     return head, status.stdout
 

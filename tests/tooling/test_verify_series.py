@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "ci"))
 import verify_series  # noqa: E402
 
 # The same junit properties tests/unit/conftest.py attaches to a test marked proves(...).
-CONFTEST = '''
+CONFTEST = """
 import pytest
 
 def pytest_collection_modifyitems(items):
@@ -18,8 +18,8 @@ def pytest_collection_modifyitems(items):
         m = item.get_closest_marker("proves")
         item.user_properties.append(("proves", m.args[0]))
         item.user_properties.append(("base_ok", "sqlite" in m.kwargs.get("base_ok_on", ())))
-'''
-TESTS = '''
+"""
+TESTS = """
 import pytest
 
 @pytest.mark.proves("fix.patch")
@@ -37,21 +37,33 @@ def test_not_vulnerable_here():
 @pytest.mark.proves("fix.patch")
 def test_skipped():
     pytest.skip("cannot run on this backend")
-'''
+"""
 
 
 def run(tmp_path: Path) -> dict[str, verify_series.Outcome]:
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_fix.py").write_text(TESTS)
     junit = tmp_path / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "markers=proves", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "markers=proves",
+        str(tmp_path),
+    ]
     subprocess.run([*cmd, f"--junitxml={junit}", f"--rootdir={tmp_path}"], capture_output=True, check=False)
     return verify_series.outcomes(junit)
 
 
 def test_useless_test_is_reported_as_not_proving(tmp_path: Path):
     cell = verify_series.judge_before(run(tmp_path))
-    assert [p.split("::")[-1] for p in cell.problems] == ["test_useless: passes without its patch: does not prove it"]
+    assert [p.split("::")[-1] for p in cell.problems] == [
+        "test_useless: passes without its patch: does not prove it"
+    ]
     assert (cell.ok, cell.skipped) == (2, 1)
     assert str(cell) == "WRONG 2 (1 skipped)"
 

@@ -1,0 +1,193 @@
+"""scripts/ci/export.py output is what an upstream PR needs, and ``git am`` takes it onto the pristine base.
+
+A real series on the pinned base (two patches to the callback sink, the second building on the first)
+with regression tests marked ``proves``; each export is ``git am``-ed onto a fresh repository holding
+the untouched sdist at ``airflow-core/`` (upstream's monorepo layout). Needs git and the sdist.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from seriesproject import ROOT, SINK, add_flush, make_project, message  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "scripts" / "ci"))
+import tree  # noqa: E402
+
+FIRST = "Flush-the-callback-row-in-the-caller-s-session.patch"
+SECOND = "Give-the-callback-row-a-priority-weight-of-2.patch"
+TESTS = f"""from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.db_test, pytest.mark.proves("{FIRST}")]
+
+
+@pytest.mark.backend("postgres", "mysql")
+def test_row_is_flushed(session, dag_maker):
+    assert session is not None
+
+
+@pytest.mark.guard
+def test_guard_kept(session):
+    assert True
+"""
+MIXED = f"""from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.proves("{SECOND}", base_ok_on=("sqlite",))
+def test_weight(session, create_task_instance):
+    assert True
+
+
+@pytest.mark.proves("{FIRST}")
+def test_of_the_other_patch(session):
+    assert True
+
+
+def helper():
+    return 2
+"""
+VERIFY_LOG = f"""[1/2] {FIRST}
+verify-series on postgres
+
+| patch | fails before | passes after | suite green at this step |
+|---|---|---|---|
+| {FIRST} | ok 1         | ok 1         | ok 2                     |
+| {SECOND} | ok 1         | ok 1         | ok 3                     |
+"""
+
+
+def weight_2(text: str) -> str:
+    return text.replace("priority_weight=1)", "priority_weight=2)")
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = make_project(
+        tmp_path_factory.mktemp("export") / "project",
+        [
+            ({SINK: add_flush}, message("Flush the callback row in the caller's session")),
+            (
+                {SINK: weight_2},
+                message("Give the callback row a priority weight of 2", ref="related: #42553"),
+            ),
+        ],
+    )
+    (root / "tests" / "unit" / "callbacks").mkdir(parents=True)
+    (root / "tests" / "unit" / "callbacks" / "test_sink_flush.py").write_text(TESTS)
+    (root / "tests" / "unit" / "callbacks" / "test_sink_weight.py").write_text(MIXED)
+    (root / "verify-postgres.log").write_text(VERIFY_LOG)
+    return root
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An upstream-like repository: the untouched 3.3.2 sdist at airflow-core/, one commit."""
+    repo = tmp_path_factory.mktemp("upstream")
+    tree.unpack_sdist(tree.fetch_sdist(tree.base_config(ROOT)), repo / "airflow-core")
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "apache-airflow-core 3.3.2")
+    return repo
+
+
+def git(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = ["git", "-C", str(repo), "-c", "user.name=T", "-c", "user.email=t@example.com", *args]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def export(project: Path, patch: str, *extra: str) -> Path:
+    cmd = [sys.executable, str(ROOT / "scripts" / "ci" / "export.py"), "--root", str(project), patch, *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return project / "export" / patch.removesuffix(".patch")
+
+
+def git_am(pristine: Path, out: Path) -> Path:
+    """``git am`` the export onto a fresh clone of the pristine base; return the clone."""
+    clone = pristine.parent / f"am-{out.name}"
+    assert git(pristine, "clone", "-q", str(pristine), str(clone)).returncode == 0
+    proc = git(clone, "am", *sorted(str(p) for p in out.glob("*.patch")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return clone
+
+
+def test_export_git_ams_onto_the_pristine_base_with_its_tests(project: Path, pristine: Path):
+    out = export(project, FIRST, "--verify", str(project / "verify-postgres.log"))
+    assert sorted(p.name for p in out.glob("*.patch")) == [f"0001-{FIRST}"]
+    clone = git_am(pristine, out)
+    assert "session.flush()" in (clone / "airflow-core" / SINK).read_text()
+    log = git(clone, "log", "-1", "--format=%s%n%b").stdout
+    assert log.startswith("Flush the callback row in the caller's session\n")
+    assert (
+        "closes: #42553" in log
+        and "Forwarded: no" in log
+        and "Bug: https://github.com/apache/airflow/issues/42553" in log
+    )
+    # Its regression tests, at upstream paths, without project-only markers or other patches' tests.
+    flush = (clone / "airflow-core/tests/unit/callbacks/test_sink_flush.py").read_text()
+    assert "proves" not in flush and "guard" not in flush.replace("test_guard_kept", "")
+    assert (
+        "pytestmark = [pytest.mark.db_test]" in flush and '@pytest.mark.backend("postgres", "mysql")' in flush
+    )
+    weight = (clone / "airflow-core/tests/unit/callbacks/test_sink_weight.py").read_text()
+    assert (
+        "def test_of_the_other_patch" in weight and "def test_weight" not in weight and "def helper" in weight
+    )
+    assert (out / "airflow-core/tests/unit/callbacks/test_sink_flush.py").read_text() == flush
+
+
+def test_export_writes_newsfragment_and_pr_description(project: Path):
+    out = export(project, FIRST, "--verify", str(project / "verify-postgres.log"))
+    assert (out / "airflow-core/newsfragments/00000.bugfix.rst").read_text() == (
+        "Flush the callback row in the caller's session.\n"
+    )
+    pr = (out / "PR.md").read_text()
+    assert pr.startswith(
+        "# Flush the callback row in the caller's session\n\nSay what and why.\n\ncloses: #42553\n"
+    )
+    assert "- `airflow-core/tests/unit/callbacks/test_sink_flush.py`" in pr
+    assert "| postgres | ok 1 | ok 1 | ok 2 |" in pr
+    assert "- Forwarded: no" in pr
+    assert "00000.bugfix.rst to <PR number>.bugfix.rst" in pr
+
+
+def test_dependent_patch_exports_its_prerequisite_and_still_git_ams(project: Path, pristine: Path):
+    out = export(project, SECOND)
+    assert sorted(p.name for p in out.glob("*.patch")) == [f"0001-{FIRST}", f"0002-{SECOND}"]
+    clone = git_am(pristine, out)
+    assert "priority_weight=2" in (clone / "airflow-core" / SINK).read_text()
+    weight = (clone / "airflow-core/tests/unit/callbacks/test_sink_weight.py").read_text()
+    assert (
+        "def test_weight(session, create_task_instance)" in weight and "test_of_the_other_patch" not in weight
+    )
+    pr = (out / "PR.md").read_text()
+    assert f"depends on {FIRST}" in pr
+    assert "Not recorded here" in pr  # no --verify log given
+
+
+def test_project_only_fixtures_are_flagged(project: Path):
+    (project / "tests/unit/callbacks/test_sink_runner.py").write_text(
+        "import pytest\n\nfrom tests.unit.conftest import make_engine\n\n\n"
+        f'@pytest.mark.proves("{FIRST}")\ndef test_x(scheduler_job_runner, session):\n    make_engine()\n'
+    )
+    try:
+        pr = (export(project, FIRST) / "PR.md").read_text()
+    finally:
+        (project / "tests/unit/callbacks/test_sink_runner.py").unlink()
+    expected = "import from tests.unit.conftest, scheduler_job_runner"
+    assert f"test_sink_runner.py uses what upstream's tests_common does not provide: {expected}" in pr
+
+
+def test_unknown_patch_is_refused(project: Path):
+    cmd = [sys.executable, str(ROOT / "scripts" / "ci" / "export.py"), "--root", str(project), "nope.patch"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 1 and "nope.patch is not in patches/series" in proc.stderr
