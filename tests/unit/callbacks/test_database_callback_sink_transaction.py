@@ -249,11 +249,13 @@ def test_heartbeat_purge_keeps_row_locks_of_its_transaction(
     scheduler_job_runner, dag_maker, session, other_session, monkeypatch, time_machine
 ):
     """
-    Row locks held by the purge's transaction survive every ``send_callback`` of the pass.
+    The row lock on each timed-out TI survives its ``send_callback``, so it is still held when that TI's
+    failure handling starts.
 
     The locks are taken here on the timed-out TIs the way the row-locked scan (issue 3) takes them;
     3.3.2's scan takes none, and its sink commits the transaction at the first TI, so even such a
-    lock would be gone before the second TI is handled.
+    lock would be gone before that TI is handled. (Later patches fail each TI in the pass and commit
+    it; the TI being handled is re-locked before its callback, which is what is checked.)
     """
     _skip_unless_row_locks(session)
     executor = scheduler_job_runner.executor
@@ -261,12 +263,12 @@ def test_heartbeat_purge_keeps_row_locks_of_its_transaction(
     ti_ids = [ti.id for ti in tis]
     _move_past_heartbeat_timeout(scheduler_job_runner, time_machine)
 
-    observed: list[list[bool]] = []
+    observed: list[bool] = []
     send_callback = executor.send_callback
 
     def send_callback_then_probe(request, **kwargs):
         send_callback(request, **kwargs)
-        observed.append([_row_locked(other_session, ti_id) for ti_id in ti_ids])
+        observed.append(_row_locked(other_session, request.ti.id))
 
     monkeypatch.setattr(executor, "send_callback", send_callback_then_probe)
 
@@ -276,7 +278,7 @@ def test_heartbeat_purge_keeps_row_locks_of_its_transaction(
     scheduler_job_runner._purge_task_instances_without_heartbeats(found, session=session)
     session.commit()
 
-    assert observed == [[True, True, True]] * 3
+    assert observed == [True, True, True]
     assert _callback_rows(other_session) == 3
 
 
@@ -336,15 +338,21 @@ def test_executor_event_failure_committed_leaves_one_callback(
 def test_heartbeat_purge_rolled_back_leaves_no_callback(
     scheduler_job_runner, dag_maker, session, other_session, monkeypatch, time_machine
 ):
-    """The purge raises after ``send_callback`` (here in ``change_state``): no callback row survives."""
+    """
+    The purge raises after ``send_callback`` and before its transaction commits: no callback row survives.
+
+    The error is injected in what follows the callback: ``handle_failure`` (where the purge fails the
+    TI, from the issue-3 patches on) and ``change_state``.
+    """
     executor = scheduler_job_runner.executor
     _make_running_tis(dag_maker, session, scheduler_job_runner)
     _move_past_heartbeat_timeout(scheduler_job_runner, time_machine)
 
-    def failing_change_state(*args, **kwargs):
+    def failing(*args, **kwargs):
         raise RuntimeError("injected failure after send_callback")
 
-    monkeypatch.setattr(executor, "change_state", failing_change_state)
+    monkeypatch.setattr(executor, "change_state", failing)
+    monkeypatch.setattr(TaskInstance, "handle_failure", failing)
 
     with pytest.raises(RuntimeError, match="injected failure"):
         scheduler_job_runner._find_and_purge_task_instances_without_heartbeats()
@@ -362,18 +370,27 @@ def test_heartbeat_purge_rolled_back_leaves_no_callback(
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.db_test
 @pytest.mark.proves(PATCH)
-def test_heartbeat_purge_commits_once_per_pass(
-    scheduler_job_runner, dag_maker, session, other_session, time_machine
+def test_heartbeat_purge_send_callback_does_not_commit(
+    scheduler_job_runner, dag_maker, session, other_session, monkeypatch, time_machine
 ):
-    """3.3.2 commits the scheduler's session once per TI (N + 1 commits); now the pass commits once."""
+    """3.3.2 commits the scheduler's session in every ``send_callback`` of the purge; now none does."""
+    executor = scheduler_job_runner.executor
     tis = _make_running_tis(dag_maker, session, scheduler_job_runner, task_ids=("t1", "t2", "t3", "t4"))
     _move_past_heartbeat_timeout(scheduler_job_runner, time_machine)
     assert settings.Session() is session  # the purge's create_session() is this scoped session
 
-    with _count_commits(session) as commits:
-        scheduler_job_runner._find_and_purge_task_instances_without_heartbeats()
+    commits_in_send_callback: list[int] = []
+    send_callback = executor.send_callback
 
-    assert len(commits) == 1
+    def counting_send_callback(request, **kwargs):
+        with _count_commits(session) as commits:
+            send_callback(request, **kwargs)
+        commits_in_send_callback.append(len(commits))
+
+    monkeypatch.setattr(executor, "send_callback", counting_send_callback)
+    scheduler_job_runner._find_and_purge_task_instances_without_heartbeats()
+
+    assert commits_in_send_callback == [0] * len(tis)
     assert _callback_rows(other_session) == len(tis)
 
 
