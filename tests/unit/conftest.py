@@ -383,12 +383,20 @@ def clear_db(session: Session | None = None) -> None:
 # ======================================================================================
 @pytest.fixture(scope="session", autouse=True)
 def _initialize_db() -> Generator[None, None, None]:
-    """Drop and recreate the schema once per run with Airflow's own code (``airflow db reset``)."""
+    """
+    Create the schema once with Airflow's own code (``airflow db reset``).
+
+    A database already stamped at the migration head (a previous run, e.g. the steps of verify-series:
+    the series changes no schema) is kept; ``clear_db`` empties it around every test.
+    """
     from airflow.models import import_all_models
     from airflow.utils import db
 
     import_all_models()
-    db.resetdb()
+    with settings.NonScopedSession() as s:
+        stamped, heads = schema_revisions(s)
+    if stamped is None or (stamped,) != heads:
+        db.resetdb()
     settings.Session.remove()
     yield
     settings.Session.remove()
