@@ -1,0 +1,1286 @@
+#!/usr/bin/env python
+#
+# Licensed to the Apache Software Foundation (ASF) under one
+# or more contributor license agreements.  See the NOTICE file
+# distributed with this work for additional information
+# regarding copyright ownership.  The ASF licenses this file
+# to you under the Apache License, Version 2.0 (the
+# "License"); you may not use this file except in compliance
+# with the License.  You may obtain a copy of the License at
+#
+#   http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing,
+# software distributed under the License is distributed on an
+# "AS IS" BASIS, WITHOUT WARRANTIES OR CONDITIONS OF ANY
+# KIND, either express or implied.  See the License for the
+# specific language governing permissions and limitations
+# under the License.
+"""
+Chaos soak with real Airflow processes (issue #10).
+
+Run with the Python of a virtualenv in which the tree under test (editable ``airflow-core``, base or
+series) is installed; the Airflow CLI used is ``Path(sys.executable).parent / "airflow"``::
+
+    python tests/soak/run_soak.py --dsn postgresql+psycopg2://postgres@127.0.0.1:5432/soak \\
+        --backend postgres --duration 360 --seed 42 --report soak-postgres-series --label series
+
+What it does:
+
+1. builds a throwaway ``AIRFLOW_HOME`` (DAGs from ``tests/soak/dags``, the slow-listener plugin from
+   ``tests/soak/plugins``), resets the given database (``airflow db reset -y``: drop all, migrate
+   to head) -- THE DATABASE IS WIPED -- and installs an audit copy of the
+   ``callback`` table (``soak_callback_audit``, filled by an ``AFTER INSERT`` trigger; the
+   dag-processor deletes ``callback`` rows it has run);
+2. starts ``airflow api-server``, ``airflow dag-processor`` and ``airflow scheduler`` on loopback
+   ports (LocalExecutor, 20 s heartbeat timeout, 5 s detection interval), each in its own session
+   / process group;
+3. runs a seeded, time-bounded chaos loop: every 3-8 s it SIGKILLs or SIGSTOPs (and later SIGCONTs)
+   a task process it can identify as its own -- a descendant of its own scheduler, with its
+   ``AIRFLOW_HOME`` in the environment and a process title ``airflow worker -- [LocalExecutor: ]<ti_id>``
+   naming a RUNNING task instance of its own database. Exited components are restarted; a scheduler exit
+   is recorded with the last error line of its log;
+4. stops everything it started (also on Ctrl-C, SIGTERM or failure), then scans for processes
+   carrying its ``AIRFLOW_HOME`` and kills and reports any orphan;
+5. analyses the callback file, the audit table, the task-instance tables and the scheduler log,
+   prints a report and writes it as Markdown (``REPORT.md``) and JSON (``REPORT.json``).
+
+Exit status: 0 no finding in the series' areas and no other scheduler exit; 1 a scheduler exit in the
+series' areas (IntegrityError/ForeignKeyViolation on task_reschedule and other races in task-failure
+handling) or a try with more than one failure/retry callback (``--strict`` adds every other finding);
+2 the soak itself failed (setup, orphans left); 3 no series finding, but the scheduler exited for a
+reason outside the series' areas (e.g. MariaDB-only SQL Airflow does not support) -- not a pass.
+
+sqlite is refused: Airflow documents SQLite as a development backend without concurrent writers, and
+this deployment has scheduler, api-server, dag-processor and task processes writing at once; a soak
+there would measure SQLite's locking, not the series.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import datetime
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+AIRFLOW = Path(sys.executable).parent / "airflow"
+
+TITLE_RE = re.compile(
+    r"^airflow worker -- (LocalExecutor(?:-[^:]*)?: )?([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"
+)
+UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+STATE_MISMATCH_RE = re.compile(r"finished with state (\w+), but the task instance's state attribute is (\w+)")
+LOG_TS_RE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)")
+# Final line of a Python traceback / an exception named in a log line.
+EXC_LINE_RE = re.compile(
+    r"((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Violation|Deadlock|Timeout|Exit))(?::|\b)\s*(.*)"
+)
+ERROR_LEVEL_RE = re.compile(r"\[(error|critical|exception)\s*\]|\bERROR\b|\bCRITICAL\b|Traceback")
+
+# Scheduler exits whose cause is in the areas the series fixes: races in task-failure handling
+# (heartbeat-timeout scan, TI retry preparation, callbacks, stale executor events).
+SERIES_EXIT_PATTERNS = [
+    (
+        "task_reschedule FK/IntegrityError",
+        re.compile(
+            r"(IntegrityError|ForeignKeyViolation).*task_reschedule|task_reschedule.*(IntegrityError|foreign key)",
+            re.I,
+        ),
+    ),
+    (
+        "task_instance_history IntegrityError",
+        re.compile(r"(IntegrityError|ForeignKeyViolation|UniqueViolation).*task_instance_history", re.I),
+    ),
+    ("callback IntegrityError", re.compile(r"(IntegrityError|ForeignKeyViolation).*\bcallback\b", re.I)),
+    ("IntegrityError", re.compile(r"IntegrityError|ForeignKeyViolation|UniqueViolation")),
+    ("StaleDataError/ObjectDeletedError", re.compile(r"StaleDataError|ObjectDeletedError")),
+    (
+        "deadlock / lock wait",
+        re.compile(r"Deadlock|deadlock detected|Lock wait timeout|LockNotAvailable", re.I),
+    ),
+]
+# Scheduler exits outside the series' areas, with their cause.
+OUTSIDE_EXIT_PATTERNS = [
+    (
+        "MariaDB: unsupported SQL (WITH ... DELETE ... RETURNING; Airflow does not support MariaDB)",
+        re.compile(r"1064.*(RETURNING|DELETE|WITH)|You have an error in your SQL syntax", re.I),
+    ),
+    (
+        "database connection lost",
+        re.compile(r"OperationalError.*(server closed|Lost connection|gone away|Connection refused)", re.I),
+    ),
+]
+
+
+def log(msg: str) -> None:
+    print(f"[soak {datetime.datetime.now().strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class SoakError(Exception):
+    """The soak itself could not run (setup failed, orphans left, ...)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# /proc helpers
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    ppid: int
+    sid: int
+    starttime: int  # clock ticks since boot; (pid, starttime) identifies a process
+    state: str
+    title: str
+
+
+def read_proc(pid: int) -> Proc | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            title = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    rest = stat[stat.rfind(")") + 2 :].split()
+    # rest[0]=state rest[1]=ppid rest[2]=pgrp rest[3]=session ... rest[19]=starttime
+    return Proc(pid, int(rest[1]), int(rest[3]), int(rest[19]), rest[0], title)
+
+
+def all_procs() -> dict[int, Proc]:
+    procs = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            p = read_proc(int(name))
+            if p is not None:
+                procs[p.pid] = p
+    return procs
+
+
+def proc_env_home(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for item in f.read().split(b"\0"):
+                if item.startswith(b"AIRFLOW_HOME="):
+                    return item[len(b"AIRFLOW_HOME=") :].decode(errors="replace")
+    except OSError:
+        return None
+    return None
+
+
+def is_descendant(procs: dict[int, Proc], pid: int, ancestor: int) -> bool:
+    seen = set()
+    while pid in procs and pid not in seen:
+        seen.add(pid)
+        if procs[pid].ppid == ancestor:
+            return True
+        pid = procs[pid].ppid
+    return False
+
+
+def same_process(p: Proc) -> bool:
+    cur = read_proc(p.pid)
+    return cur is not None and cur.starttime == p.starttime
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Components
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class Component:
+    name: str
+    argv: list[str]
+    log_path: Path
+    popen: subprocess.Popen | None = None
+    started_at: float = 0.0
+    log_offset: int = 0  # where this incarnation's output starts in log_path
+    starts: int = 0
+
+
+@dataclass
+class Exit:
+    component: str
+    at: float
+    returncode: int | None
+    error_line: str
+    category: str  # "series" | "outside" | "unclassified"
+    cause: str
+
+
+def classify_exit(text: str) -> tuple[str, str]:
+    for cause, rx in SERIES_EXIT_PATTERNS:
+        if rx.search(text):
+            return "series", cause
+    for cause, rx in OUTSIDE_EXIT_PATTERNS:
+        if rx.search(text):
+            return "outside", cause
+    return "unclassified", "unknown"
+
+
+def last_error_line(text: str) -> str:
+    """Last line of an incarnation's output that names an exception (else last error-level line)."""
+    lines = text.splitlines()
+    for line in reversed(lines):
+        m = EXC_LINE_RE.search(line)
+        if m and not line.lstrip().startswith(("File ", "During handling", "The above exception")):
+            if re.search(r"(Error|Exception|Violation)\b", m.group(1)):
+                return line.strip()[:500]
+    for line in reversed(lines):
+        if ERROR_LEVEL_RE.search(line):
+            return line.strip()[:500]
+    return (lines[-1].strip()[:500]) if lines else ""
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.home = Path(args.home) if args.home else Path(tempfile.mkdtemp(prefix=f"soak-{args.backend}-"))
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.callback_file = self.home / "callbacks.jsonl"
+        self.listener_file = self.home / "listener.jsonl"
+        self.port = free_port()
+        self.env = self._build_env()
+        self.components: dict[str, Component] = {}
+        self.session_ids: set[int] = set()
+        self.log_sizes_at_stop: dict[str, int] = {}
+        self.exits: list[Exit] = []
+        self.actions: list[dict[str, Any]] = []
+        self.stopped: dict[tuple[int, int], tuple[Proc, float]] = {}  # (pid,start) -> (proc, resume_at)
+        self.no_target_ticks = 0
+        self.engine = None
+        self.t_launch = 0.0
+        self.t_start = 0.0  # first task process seen: the soak clock starts
+        self.t_chaos_end = 0.0
+        self.t_end = 0.0
+        self.warmup_s = 0.0
+        self.load_start = self.load_end = ""
+        self.orphans: list[dict[str, Any]] = []
+        self.orphans_left: list[dict[str, Any]] = []
+        self.interrupted = False
+
+    # ---------------------------------------------------------------- setup
+    def _build_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+        from cryptography.fernet import Fernet
+
+        base_url = f"http://127.0.0.1:{self.port}"
+        env.update(
+            {
+                "AIRFLOW_HOME": str(self.home),
+                "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+                "AIRFLOW__CORE__DAGS_FOLDER": str(self.home / "dags"),
+                "AIRFLOW__CORE__PLUGINS_FOLDER": str(self.home / "plugins"),
+                "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+                "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+                "AIRFLOW__CORE__FERNET_KEY": Fernet.generate_key().decode(),
+                "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{base_url}/execution/",
+                "AIRFLOW__CORE__PARALLELISM": "8",
+                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": self.args.dsn,
+                "AIRFLOW__API__BASE_URL": base_url,
+                "AIRFLOW__API__WORKERS": "1",
+                "AIRFLOW__API__SECRET_KEY": secrets.token_hex(16),
+                "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
+                "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "20",
+                "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
+                "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "20",
+                # safety net for workers lost before their TI left QUEUED (default 600 s)
+                "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": "90",
+                "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT_CHECK_INTERVAL": "15",
+                # _orphan_unreferenced_assets emits WITH ... DELETE ... RETURNING, which MariaDB
+                # rejects; same value on every backend so runs are comparable.
+                "AIRFLOW__SCHEDULER__PARSING_CLEANUP_INTERVAL": "1000000",
+                "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
+                "AIRFLOW__DAG_PROCESSOR__PARSING_PROCESSES": "1",
+                "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+                "SOAK_CALLBACK_FILE": str(self.callback_file),
+                "SOAK_LISTENER_FILE": str(self.listener_file),
+                "SOAK_LISTENER_SLEEP": str(self.args.listener_sleep),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        return env
+
+    def airflow(self, *cmd: str, timeout: float = 600) -> None:
+        out = self.home / "setup.log"
+        with out.open("ab") as f:
+            f.write(f"\n$ airflow {' '.join(cmd)}\n".encode())
+            f.flush()
+            rc = subprocess.run(
+                [str(AIRFLOW), *cmd],
+                env=self.env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                start_new_session=True,
+            ).returncode
+        if rc != 0:
+            tail = out.read_text(errors="replace").splitlines()[-15:]
+            raise SoakError(f"airflow {' '.join(cmd)} failed (rc={rc}):\n" + "\n".join(tail))
+
+    def setup(self) -> None:
+        for sub in ("dags", "plugins"):
+            shutil.copytree(
+                HERE / sub, self.home / sub, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
+            )
+        self.callback_file.touch()
+        self.listener_file.touch()
+        from sqlalchemy import create_engine
+
+        self.engine = create_engine(self.args.dsn, pool_pre_ping=True, pool_size=2)
+        self._drop_audit()
+        log(f"home {self.home}; resetting database (airflow db reset -y) ...")
+        t = time.monotonic()
+        self.airflow("db", "reset", "-y")  # drops everything, then migrates to head
+        log(f"database ready in {time.monotonic() - t:.0f}s; installing callback audit trigger")
+        self._install_audit()
+
+    def _drop_audit(self) -> None:
+        from sqlalchemy import text
+
+        with self.engine.begin() as c:
+            if self.args.backend == "postgres":
+                c.execute(text("DROP TABLE IF EXISTS soak_callback_audit"))
+                c.execute(text("DROP FUNCTION IF EXISTS soak_callback_audit_fn() CASCADE"))
+            else:
+                c.execute(text("DROP TRIGGER IF EXISTS soak_callback_audit_trg"))
+                c.execute(text("DROP TABLE IF EXISTS soak_callback_audit"))
+
+    def _install_audit(self) -> None:
+        from sqlalchemy import text
+
+        with self.engine.begin() as c:
+            if self.args.backend == "postgres":
+                c.execute(
+                    text(
+                        "CREATE TABLE soak_callback_audit (seq bigserial PRIMARY KEY, id text, type text,"
+                        " data text, created_at timestamptz, audited_at timestamptz DEFAULT clock_timestamp())"
+                    )
+                )
+                c.execute(
+                    text(
+                        "CREATE FUNCTION soak_callback_audit_fn() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                        " INSERT INTO soak_callback_audit (id, type, data, created_at)"
+                        " VALUES (NEW.id::text, NEW.type, NEW.data::text, NEW.created_at); RETURN NEW; END $$"
+                    )
+                )
+                c.execute(
+                    text(
+                        "CREATE TRIGGER soak_callback_audit_trg AFTER INSERT ON callback"
+                        " FOR EACH ROW EXECUTE FUNCTION soak_callback_audit_fn()"
+                    )
+                )
+            else:
+                c.execute(
+                    text(
+                        "CREATE TABLE soak_callback_audit (seq bigint AUTO_INCREMENT PRIMARY KEY, id varchar(64),"
+                        " type varchar(64), data longtext, created_at datetime(6),"
+                        " audited_at datetime(6) DEFAULT CURRENT_TIMESTAMP(6))"
+                    )
+                )
+                c.execute(
+                    text(
+                        "CREATE TRIGGER soak_callback_audit_trg AFTER INSERT ON callback FOR EACH ROW"
+                        " INSERT INTO soak_callback_audit (id, type, data, created_at)"
+                        " VALUES (NEW.id, NEW.type, NEW.data, NEW.created_at)"
+                    )
+                )
+
+    # ---------------------------------------------------------------- components
+    def start(self, name: str) -> None:
+        comp = self.components[name]
+        comp.log_offset = comp.log_path.stat().st_size if comp.log_path.exists() else 0
+        with comp.log_path.open("ab") as f:
+            f.write(
+                f"\n===== soak: start #{comp.starts + 1} of {name} at {datetime.datetime.now().isoformat()} =====\n".encode()
+            )
+            comp.log_offset = f.tell()
+            comp.popen = subprocess.Popen(
+                comp.argv,
+                env=self.env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.home,
+            )
+        comp.started_at = time.monotonic()
+        comp.starts += 1
+        self.session_ids.add(comp.popen.pid)  # start_new_session: sid == pid of the component
+        log(f"started {name} pid={comp.popen.pid}")
+
+    def start_all(self) -> None:
+        logs = self.home / "logs"
+        logs.mkdir(exist_ok=True)
+        a = str(AIRFLOW)
+        self.components = {
+            "api-server": Component(
+                "api-server",
+                [a, "api-server", "--host", "127.0.0.1", "--port", str(self.port)],
+                logs / "api-server.log",
+            ),
+            "dag-processor": Component("dag-processor", [a, "dag-processor"], logs / "dag-processor.log"),
+            "scheduler": Component(
+                "scheduler", [a, "scheduler", "--skip-serve-logs"], logs / "scheduler.log"
+            ),
+        }
+        self.start("api-server")
+        self._wait_api(self.args.warmup_timeout)
+        self.start("dag-processor")
+        self.start("scheduler")
+
+    def _wait_api(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        url = f"http://127.0.0.1:{self.port}/api/v2/monitor/health"
+        while time.monotonic() < deadline:
+            comp = self.components["api-server"]
+            if comp.popen.poll() is not None:
+                raise SoakError(f"api-server exited rc={comp.popen.returncode}; see {comp.log_path}")
+            with contextlib.suppress(Exception):
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        log(f"api-server up on 127.0.0.1:{self.port}")
+                        return
+            time.sleep(1)
+        raise SoakError(
+            f"api-server not healthy after {timeout}s; see {self.components['api-server'].log_path}"
+        )
+
+    def check_components(self) -> None:
+        for name, comp in self.components.items():
+            if comp.popen is None or comp.popen.poll() is None:
+                continue
+            rc = comp.popen.returncode
+            # give its process group a moment, then make sure nothing of this incarnation is left
+            self._kill_session(comp.popen.pid, grace=0)
+            text = comp.log_path.read_bytes()[comp.log_offset :].decode(errors="replace")
+            err = last_error_line(text)
+            category, cause = classify_exit(self._exit_context(text))
+            ex = Exit(name, time.monotonic() - (self.t_start or self.t_launch), rc, err, category, cause)
+            self.exits.append(ex)
+            log(
+                f"{name} exited rc={rc} after {time.monotonic() - comp.started_at:.0f}s [{category}: {cause}]: {err}"
+            )
+            time.sleep(2)
+            self.start(name)
+
+    @staticmethod
+    def _exit_context(text: str) -> str:
+        """Last traceback-ish chunk of an incarnation's output, for classification."""
+        lines = text.splitlines()
+        return "\n".join(lines[-80:])
+
+    # ---------------------------------------------------------------- chaos
+    def own_task_procs(self) -> list[tuple[str, str, Proc]]:
+        """(role, ti_id, proc) for task processes that are provably ours."""
+        sched = self.components["scheduler"].popen
+        if sched is None or sched.poll() is not None:
+            return []
+        procs = all_procs()
+        found = []
+        for p in procs.values():
+            m = TITLE_RE.match(p.title)
+            if not m or p.state in ("Z", "X"):
+                continue
+            if not is_descendant(procs, p.pid, sched.pid):
+                continue
+            # setproctitle reuses the environ block for the longer title, so /proc/PID/environ of
+            # a task process is usually unreadable garbage: refuse only a *different* AIRFLOW_HOME.
+            env_home = proc_env_home(p.pid)
+            if env_home is not None and env_home != str(self.home):
+                continue
+            found.append((m.group(2), p))
+        if not found:
+            return []
+        ids = self._own_ti_ids()
+        found = [f for f in found if f[0] in ids]
+        # Role by tree, not by title: a freshly forked task runner still carries its supervisor's
+        # title ("LocalExecutor: <ti_id>") until it sets its own.
+        pids_by_ti = collections.defaultdict(set)
+        for ti_id, p in found:
+            pids_by_ti[ti_id].add(p.pid)
+        return [("runner" if p.ppid in pids_by_ti[ti_id] else "supervisor", ti_id, p) for ti_id, p in found]
+
+    def _own_ti_ids(self) -> set[str]:
+        """Ids of this soak's task instances that are RUNNING in its database.
+
+        Faults hit running tries only: a worker killed while its TI is still QUEUED never reports
+        back, and the TI would sit in QUEUED until ``task_queued_timeout`` -- starving the soak
+        instead of exercising the failure handling it is about.
+        """
+        from sqlalchemy import text
+
+        with self.engine.connect() as c:
+            return {
+                norm_uuid(r[0])
+                for r in c.execute(text("SELECT id FROM task_instance WHERE state = 'running'"))
+            }
+
+    def chaos_tick(self) -> None:
+        own = self.own_task_procs()
+        own = [o for o in own if (o[2].pid, o[2].starttime) not in self.stopped]
+        if not own:
+            self.no_target_ticks += 1
+            return
+        by_ti: dict[str, dict[str, Proc]] = collections.defaultdict(dict)
+        for role, ti_id, p in own:
+            by_ti[ti_id][role] = p
+        kinds = [
+            ("kill_runner", 0.35),
+            ("kill_supervisor", 0.25),
+            ("stop_supervisor", 0.25),
+            ("stop_runner", 0.15),
+        ]
+        kind = self.rng.choices([k for k, _ in kinds], weights=[w for _, w in kinds])[0]
+        role = kind.split("_", 1)[1]
+        candidates = sorted(ti for ti, roles in by_ti.items() if role in roles)
+        if not candidates:
+            # e.g. a supervisor that has not forked its runner yet: fall back to the other role
+            role = "supervisor" if role == "runner" else "runner"
+            kind = kind.split("_", 1)[0] + "_" + role
+            candidates = sorted(ti for ti, roles in by_ti.items() if role in roles)
+        ti_id = candidates[self.rng.randrange(len(candidates))]
+        target = by_ti[ti_id][role]
+        if not same_process(target):
+            self.no_target_ticks += 1
+            return
+        rec = {
+            "t": round(time.monotonic() - self.t_start, 1),
+            "kind": kind,
+            "ti_id": ti_id,
+            "pid": target.pid,
+        }
+        try:
+            if kind.startswith("kill"):
+                os.kill(target.pid, signal.SIGKILL)
+                if role == "supervisor" and "runner" in by_ti[ti_id] and same_process(by_ti[ti_id]["runner"]):
+                    # the worker is lost as a whole: do not leave its task runner behind
+                    os.kill(by_ti[ti_id]["runner"].pid, signal.SIGKILL)
+                    rec["also_killed_runner"] = by_ti[ti_id]["runner"].pid
+            else:
+                hold = round(self.rng.uniform(*self.args.stop_seconds), 1)
+                os.kill(target.pid, signal.SIGSTOP)
+                self.stopped[(target.pid, target.starttime)] = (target, time.monotonic() + hold)
+                rec["hold_s"] = hold
+        except ProcessLookupError:
+            rec["kind"] = kind + "_vanished"
+        self.actions.append(rec)
+        log(
+            f"chaos: {rec['kind']} ti={ti_id} pid={target.pid}"
+            + (f" for {rec['hold_s']}s" if "hold_s" in rec else "")
+        )
+
+    def resume_due(self, force: bool = False) -> None:
+        now = time.monotonic()
+        for key, (p, resume_at) in list(self.stopped.items()):
+            if force or now >= resume_at:
+                if same_process(p):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGCONT)
+                del self.stopped[key]
+
+    # ---------------------------------------------------------------- run / stop
+    def run(self) -> None:
+        self.t_launch = time.monotonic()
+        self.start_all()
+        # Start-up takes 20 s on an idle machine and much longer on a busy one: the clock of the
+        # soak starts when the first task process of ours is running.
+        warm_deadline = time.monotonic() + self.args.warmup_timeout
+        while not self.own_task_procs():  # a task process of ours whose TI is running
+            if time.monotonic() > warm_deadline:
+                raise SoakError(
+                    f"no task process of ours after {self.args.warmup_timeout:.0f}s; see {self.home}/logs"
+                )
+            self.check_components()
+            time.sleep(1)
+        self.t_start = time.monotonic()
+        self.load_start = loadavg()
+        self.warmup_s = self.t_start - self.t_launch
+        log(
+            f"first task process running after {self.warmup_s:.0f}s; soak clock starts ({self.args.duration:.0f}s)"
+        )
+        deadline = self.t_start + self.args.duration
+        next_chaos = time.monotonic() + self.rng.uniform(*self.args.interval)
+        while time.monotonic() < deadline:
+            self.check_components()
+            self.resume_due()
+            if not self.args.no_chaos and time.monotonic() >= next_chaos:
+                before = len(self.actions)
+                self.chaos_tick()
+                if len(self.actions) > before:
+                    next_chaos = time.monotonic() + self.rng.uniform(*self.args.interval)
+                else:
+                    next_chaos = time.monotonic() + 1.0
+            time.sleep(0.5)
+        self.t_chaos_end = time.monotonic()
+        self.load_end = loadavg()
+        log(f"soak window over; draining {self.args.drain:.0f}s (components keep running, no faults)")
+        self.resume_due(force=True)
+        drain_end = time.monotonic() + self.args.drain
+        while time.monotonic() < drain_end:
+            self.check_components()
+            time.sleep(0.5)
+        self.t_end = time.monotonic()
+
+    def _session_members(self, sid: int) -> list[Proc]:
+        out = []
+        for p in all_procs().values():
+            if p.sid == sid and p.pid != os.getpid():
+                out.append(p)
+        return out
+
+    def _kill_session(self, sid: int, grace: float = 20) -> None:
+        members = self._session_members(sid)
+        for p in members:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)
+        if grace > 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(sid, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and any(same_process(p) for p in self._session_members(sid)):
+                time.sleep(0.5)
+        for p in self._session_members(sid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+
+    def stop_all(self) -> None:
+        # the analysis reads the logs up to here: shutdown noise (tasks losing the api-server) is not a finding
+        for name, comp in self.components.items():
+            if comp.log_path.exists():
+                self.log_sizes_at_stop.setdefault(name, comp.log_path.stat().st_size)
+        self.resume_due(force=True)
+        # SIGTERM every component's process group at once, wait up to 15 s in total, then SIGKILL
+        # whatever is left in their sessions.
+        sids = []
+        for name in ("scheduler", "dag-processor", "api-server"):
+            comp = self.components.get(name)
+            if comp is None or comp.popen is None:
+                continue
+            sid = comp.popen.pid
+            sids.append(sid)
+            for p in self._session_members(sid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)
+            if comp.popen.poll() is None:
+                log(f"stopping {name} (pid {sid})")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(sid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(self._session_members(sid) for sid in sids):
+            time.sleep(0.5)
+        for sid in sids:
+            self._kill_session(sid, grace=0)
+        for comp in self.components.values():
+            if comp.popen is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    comp.popen.wait(timeout=10)
+        # orphan check: anything still carrying our AIRFLOW_HOME (e.g. reparented task runners)
+        for attempt in range(2):
+            leftover = [
+                p
+                for p in all_procs().values()
+                if p.pid != os.getpid()
+                and (
+                    (p.sid in self.session_ids and "airflow" in p.title)
+                    or proc_env_home(p.pid) == str(self.home)
+                )
+            ]
+            if not leftover:
+                break
+            recs = [{"pid": p.pid, "ppid": p.ppid, "title": p.title[:120]} for p in leftover]
+            if attempt == 0:
+                self.orphans = recs
+                log(f"orphans found after shutdown, killing: {recs}")
+                for p in leftover:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGCONT)
+                        os.kill(p.pid, signal.SIGKILL)
+                time.sleep(1)
+            else:
+                self.orphans_left = recs
+        log(
+            "all soak processes stopped"
+            + (" (orphans remain!)" if self.orphans_left else "; no orphans left")
+        )
+
+
+def norm_uuid(v: Any) -> str:
+    try:
+        return str(uuid.UUID(str(v)))
+    except ValueError:
+        return str(v)
+
+
+# --------------------------------------------------------------------------------------------------
+# Analysis
+# --------------------------------------------------------------------------------------------------
+def analyse(soak: Soak) -> dict[str, Any]:
+    """
+    Findings of a finished soak.
+
+    Task instances are keyed by (dag_id, run_id, task_id, map_index): in Airflow 3 a retried TI
+    may get a new ``id``, and the previous try moves to ``task_instance_history`` under its old id.
+    """
+    from sqlalchemy import text
+
+    args = soak.args
+    tis: dict[tuple, dict[str, Any]] = {}
+    tih: dict[tuple, dict[int, str]] = collections.defaultdict(dict)
+    id_to_key: dict[str, tuple] = {}
+    with soak.engine.connect() as c:
+        for r in c.execute(
+            text(
+                "SELECT id, dag_id, run_id, task_id, map_index, try_number, max_tries, state, operator"
+                " FROM task_instance"
+            )
+        ):
+            key = (r.dag_id, r.run_id, r.task_id, r.map_index)
+            tis[key] = dict(r._mapping)
+            id_to_key[norm_uuid(r.id)] = key
+        for r in c.execute(
+            text(
+                "SELECT task_instance_id, dag_id, run_id, task_id, map_index, try_number, state"
+                " FROM task_instance_history"
+            )
+        ):
+            key = (r.dag_id, r.run_id, r.task_id, r.map_index)
+            tih[key][r.try_number] = r.state
+            id_to_key.setdefault(norm_uuid(r.task_instance_id), key)
+        audit_rows = [
+            dict(r._mapping)
+            for r in c.execute(
+                text("SELECT seq, id, type, data, created_at FROM soak_callback_audit ORDER BY seq")
+            )
+        ]
+        reschedules = c.execute(text("SELECT count(*) FROM task_reschedule")).scalar()
+
+    def label(key: tuple) -> str:
+        return f"{key[0]}.{key[2]} {key[1]}" + (f"[{key[3]}]" if key[3] not in (-1, None) else "")
+
+    def ti_key(d: dict[str, Any]) -> tuple:
+        return (d.get("dag_id"), d.get("run_id"), d.get("task_id"), d.get("map_index", -1))
+
+    # -- callbacks from the file (what actually ran)
+    file_cbs: dict[tuple, list] = collections.defaultdict(list)
+    for line in soak.callback_file.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError, KeyError):
+            rec = json.loads(line)
+            file_cbs[(ti_key(rec), rec["try_number"])].append(rec)
+    # -- callback requests from the audit table (what was requested)
+    audit_cbs: dict[tuple, list] = collections.defaultdict(list)
+    audit_other: collections.Counter[str] = collections.Counter()
+    for row in audit_rows:
+        try:
+            data = row["data"] if isinstance(row["data"], dict) else json.loads(row["data"])
+            if isinstance(data, str):
+                data = json.loads(data)
+            if isinstance(data, dict) and "__var" in data:  # ExtendedJSON envelope
+                data = data["__var"]
+            req = data.get("req_data")
+            req = json.loads(req) if isinstance(req, str) else (req or {})
+        except (ValueError, TypeError, AttributeError):
+            audit_other["unparsable"] += 1
+            continue
+        if data.get("req_class") != "TaskCallbackRequest":
+            audit_other[data.get("req_class") or row["type"]] += 1
+            continue
+        ti = req.get("ti") or {}
+        id_to_key.setdefault(norm_uuid(ti.get("id")), ti_key(ti))
+        audit_cbs[(ti_key(ti), ti.get("try_number"))].append(
+            {
+                "ti_id": norm_uuid(ti.get("id")),
+                "type": str(req.get("task_callback_type")),
+                "msg": (req.get("msg") or "")[:300],
+                "created_at": str(row["created_at"]),
+            }
+        )
+
+    dup_keys = sorted(
+        {k for k, v in file_cbs.items() if len(v) > 1} | {k for k, v in audit_cbs.items() if len(v) > 1},
+        key=str,
+    )
+    duplicate_tries = [
+        {
+            "ti": label(k[0]),
+            "try_number": k[1],
+            "ran (file)": [f"{r['kind']}@{proc_role(r.get('proc', ''))}" for r in file_cbs.get(k, [])],
+            "requested (audit)": [
+                a["type"]
+                + (" [state mismatch]" if "but the task instance's state attribute" in a["msg"] else "")
+                for a in audit_cbs.get(k, [])
+            ],
+        }
+        for k in dup_keys
+    ]
+    failed_tries = set(file_cbs) | set(audit_cbs)
+
+    def try_state(key: tuple, n: int) -> str | None:
+        ti = tis.get(key)
+        if ti is not None and ti["try_number"] == n:
+            return ti["state"]
+        return tih.get(key, {}).get(n)
+
+    success_after_cb = []
+    for k in sorted(failed_tries, key=str):
+        if k[1] is None:
+            continue
+        if try_state(k[0], int(k[1])) == "success":
+            success_after_cb.append(
+                {
+                    "ti": label(k[0]),
+                    "try_number": k[1],
+                    "callbacks": [r["kind"] for r in file_cbs.get(k, [])]
+                    + [a["type"] for a in audit_cbs.get(k, [])],
+                }
+            )
+
+    # -- tries without a try-history row (every try before the current one must have one)
+    missing_history = []
+    for key, ti in tis.items():
+        for n in range(1, (ti["try_number"] or 0)):
+            if n not in tih.get(key, {}):
+                missing_history.append(
+                    {"ti": label(key), "try_number": n, "had_callback": (key, n) in failed_tries}
+                )
+    for k in sorted(failed_tries, key=str):
+        ti = tis.get(k[0])
+        if ti and k[1] is not None and int(k[1]) > (ti["try_number"] or 0):
+            missing_history.append(
+                {
+                    "ti": label(k[0]),
+                    "try_number": k[1],
+                    "had_callback": True,
+                    "note": "callback for a try beyond the TI's try_number",
+                }
+            )
+
+    too_many_tries = [
+        {"ti": label(key), "try_number": t["try_number"], "max_tries": t["max_tries"], "state": t["state"]}
+        for key, t in tis.items()
+        if (t["try_number"] or 0) > (t["max_tries"] or 0) + 1
+    ]
+
+    # -- scheduler log: stale executor events, other exceptions
+    sched_log = soak.components["scheduler"].log_path
+    text_log = ""
+    if sched_log.exists():
+        raw = sched_log.read_bytes()
+        text_log = raw[: soak.log_sizes_at_stop.get("scheduler", len(raw))].decode(errors="replace")
+    # The scheduler logs each state mismatch twice (its own error line, then handle_failure's):
+    # count one event per (TI, executor state, second).
+    stale_lines = collections.defaultdict(list)
+    mismatch_other: collections.Counter[str] = collections.Counter()
+    seen_events = set()
+    for line in text_log.splitlines():
+        m = STATE_MISMATCH_RE.search(line)
+        if not m:
+            continue
+        ids = UUID_RE.findall(line)
+        ts = LOG_TS_RE.match(line)
+        key = (ids[0] if ids else "", m.group(1), ts.group(1) if ts else line)
+        if key in seen_events:
+            continue
+        seen_events.add(key)
+        if m.group(1) == "success" and ids:
+            stale_lines[ids[0]].append(m.group(2))
+        else:
+            mismatch_other[f"executor {m.group(1)} / TI {m.group(2)}"] += 1
+    # group by task instance (a retried TI may get a new id)
+    stale_by_key: dict[Any, list[tuple[str, str]]] = collections.defaultdict(list)
+    for ti_id, states in stale_lines.items():
+        stale_by_key[id_to_key.get(ti_id, ti_id)].extend((ti_id, st) for st in states)
+    stale_failed = []
+    for key, events in stale_by_key.items():
+        ids = {i for i, _ in events}
+        ti = tis.get(key) if isinstance(key, tuple) else None
+        by_stale = sorted(
+            {
+                k[1]
+                for k, v in audit_cbs.items()
+                if any(a["ti_id"] in ids and "finished with state success" in a["msg"] for a in v)
+            },
+            key=lambda n: (n is None, n),
+        )
+        stale_failed.append(
+            {
+                "ti": label(key) if isinstance(key, tuple) else key,
+                "operator": ti["operator"] if ti else None,
+                "stale_events": len(events),
+                "ti_states_seen": sorted({st for _, st in events}),
+                "tries_failed_by_stale_event": by_stale,
+            }
+        )
+    sensors_failed_by_stale = [
+        s
+        for s in stale_failed
+        if s["tries_failed_by_stale_event"] and (s["operator"] or "").endswith("Sensor")
+    ]
+    stale_failed = [s for s in stale_failed if s["tries_failed_by_stale_event"]]
+
+    exc_counter: collections.Counter[str] = collections.Counter()
+    exc_example: dict[str, str] = {}
+    for line in text_log.splitlines():
+        s = line.strip()
+        if s.startswith(("File ", "raise ", "During handling", "The above exception")):
+            continue
+        m = re.match(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Violation))(?::\s*(.*))?$", s)
+        if not m:
+            continue
+        key = m.group(1) + ": " + re.sub(r"\d+|'[^']*'", "#", (m.group(2) or ""))[:120]
+        exc_counter[key] += 1
+        exc_example.setdefault(key, s[:400])
+    other_exceptions = [
+        {"exception": k, "count": n, "example": exc_example[k]} for k, n in exc_counter.most_common()
+    ]
+
+    kinds = collections.Counter(a["kind"] for a in soak.actions)
+    sched_exits = [e.__dict__ for e in soak.exits if e.component == "scheduler"]
+    comp_exits = [e.__dict__ for e in soak.exits if e.component != "scheduler"]
+    series_exits = [e for e in sched_exits if e["category"] == "series"]
+    outside_exits = [e for e in sched_exits if e["category"] != "series"]
+    ti_states = collections.Counter(t["state"] for t in tis.values())
+    listener_calls = len(soak.listener_file.read_text().splitlines()) if soak.listener_file.exists() else 0
+    failures_run = sum(len(v) for v in file_cbs.values())
+
+    series_fail = bool(series_exits or duplicate_tries)
+    strict_fail = bool(success_after_cb or sensors_failed_by_stale or missing_history or too_many_tries)
+    if series_fail or (args.strict and strict_fail):
+        verdict, code = "FAIL (series areas)", 1
+    elif not ti_states.get("success"):
+        verdict, code = "SOAK ERROR (no task instance succeeded: the deployment did not work)", 2
+    elif soak.orphans_left:
+        verdict, code = "SOAK ERROR (orphans left)", 2
+    elif outside_exits or comp_exits:
+        verdict, code = "NOT A PASS (exits outside the series' areas)", 3
+    else:
+        verdict, code = "PASS", 0
+
+    if soak.interrupted:
+        verdict, code = f"INTERRUPTED (incomplete; findings so far: {verdict})", max(code, 2)
+
+    return {
+        "label": args.label,
+        "backend": args.backend,
+        "seed": args.seed,
+        "airflow": airflow_version(),
+        "home": str(soak.home),
+        "duration_requested_s": args.duration,
+        "warmup_s": round(soak.warmup_s, 1),
+        "duration_s": round((soak.t_chaos_end or soak.t_end) - soak.t_start, 1) if soak.t_start else 0,
+        "drain_s": round(soak.t_end - soak.t_chaos_end, 1) if soak.t_chaos_end else 0,
+        "chaos": not args.no_chaos,
+        "chaos_interval_s": list(args.interval),
+        "listener_sleep_s": args.listener_sleep,
+        "interrupted": soak.interrupted,
+        "actions_by_kind": dict(sorted(kinds.items())),
+        "actions": soak.actions,
+        "scheduler_exits": sched_exits,
+        "scheduler_exits_series": len(series_exits),
+        "scheduler_exits_outside": len(outside_exits),
+        "other_component_exits": comp_exits,
+        "ti_states": dict(ti_states),
+        "task_instances": len(tis),
+        "task_reschedule_rows": reschedules,
+        "callbacks_run": failures_run,
+        "tries_with_callbacks": len(failed_tries),
+        "callback_requests_audited": sum(len(v) for v in audit_cbs.values()),
+        "other_callback_requests": dict(audit_other),
+        "listener_failed_calls": listener_calls,
+        "duplicate_callback_tries": duplicate_tries,
+        "success_after_failure_callback": success_after_cb,
+        "stale_success_events": sum(len(v) for v in stale_lines.values()),
+        "sensors_failed_by_stale_event": sensors_failed_by_stale,
+        "other_state_mismatch_events": dict(mismatch_other),
+        "loadavg_start": soak.load_start,
+        "loadavg_end": soak.load_end,
+        "tis_failed_after_stale_event": stale_failed,
+        "tries_without_history": missing_history,
+        "tis_over_max_tries": too_many_tries,
+        "other_exceptions": other_exceptions,
+        "orphans_killed_at_end": soak.orphans,
+        "orphans_left": soak.orphans_left,
+        "verdict": verdict,
+        "exit_code": code,
+    }
+
+
+def proc_role(title: str) -> str:
+    if "dag-processor" in title or "dag_processor" in title:
+        return "dag-processor"
+    if "airflow worker" in title:
+        return "task"
+    if "scheduler" in title:
+        return "scheduler"
+    return title[:30] or "?"
+
+
+def airflow_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("apache-airflow-core")
+    except Exception:
+        return "?"
+
+
+def to_markdown(r: dict[str, Any]) -> str:
+    L = []
+    L.append(f"# Chaos soak: {r['label']} on {r['backend']} (seed {r['seed']})\n")
+    L.append(f"**Verdict: {r['verdict']}** (exit {r['exit_code']})\n")
+    L.append("| | |\n|---|---|")
+    rows = [
+        ("apache-airflow-core", r["airflow"]),
+        (
+            "machine load (1/5/15 min) at start / end",
+            f"{r['loadavg_start']} / {r['loadavg_end']} on {os.cpu_count()} CPUs",
+        ),
+        (
+            "duration",
+            f"{r['duration_s']} s (requested {r['duration_requested_s']} s) after {r['warmup_s']} s start-up, then {r['drain_s']} s drain",
+        ),
+        (
+            "chaos",
+            f"{'on, a fault every ' + str(r['chaos_interval_s'][0]) + '-' + str(r['chaos_interval_s'][1]) + ' s' if r['chaos'] else 'OFF (slow listener only)'}",
+        ),
+        ("faults by kind", ", ".join(f"{k} {v}" for k, v in r["actions_by_kind"].items()) or "none"),
+        (
+            "listener sleep",
+            f"{r['listener_sleep_s']} s; on_task_instance_failed calls: {r['listener_failed_calls']}",
+        ),
+        (
+            "scheduler exits",
+            f"{len(r['scheduler_exits'])} (series areas {r['scheduler_exits_series']}, outside {r['scheduler_exits_outside']})",
+        ),
+        (
+            "task instances",
+            f"{r['task_instances']} ({', '.join(f'{k} {v}' for k, v in sorted(r['ti_states'].items(), key=str))}); task_reschedule rows {r['task_reschedule_rows']}",
+        ),
+        (
+            "failure/retry callbacks run (file)",
+            f"{r['callbacks_run']} over {r['tries_with_callbacks']} tries; requests audited {r['callback_requests_audited']}",
+        ),
+        (
+            "tries with >1 failure/retry callback",
+            f"{len(r['duplicate_callback_tries'])} of {r['tries_with_callbacks']} tries with a callback",
+        ),
+        (
+            "TIs SUCCESS after a failure/retry callback for the same try",
+            len(r["success_after_failure_callback"]),
+        ),
+        ("stale executor SUCCESS events (log lines)", r["stale_success_events"]),
+        (
+            "sensors failed by a stale executor event",
+            f"{len(r['sensors_failed_by_stale_event'])} TIs, "
+            f"{sum(len(x['tries_failed_by_stale_event']) for x in r['sensors_failed_by_stale_event'])} tries",
+        ),
+        (
+            "other executor/TI state mismatches",
+            ", ".join(f"{k}: {v}" for k, v in r["other_state_mismatch_events"].items()) or "0",
+        ),
+        ("tries without a try-history row", len(r["tries_without_history"])),
+        ("TIs with more tries than max_tries+1", len(r["tis_over_max_tries"])),
+        ("orphans killed at end / left", f"{len(r['orphans_killed_at_end'])} / {len(r['orphans_left'])}"),
+    ]
+    for k, v in rows:
+        L.append(f"| {k} | {v} |")
+    L.append("")
+    if r["scheduler_exits"]:
+        L.append("## Scheduler exits\n")
+        L.append("| t (s) | rc | area | cause | last error line |\n|---|---|---|---|---|")
+        for e in r["scheduler_exits"]:
+            L.append(
+                f"| {e['at']:.0f} | {e['returncode']} | {e['category']} | {e['cause']} | `{md_cell(e['error_line'])}` |"
+            )
+        L.append("")
+    if r["other_component_exits"]:
+        L.append("## Other component exits\n")
+        for e in r["other_component_exits"]:
+            L.append(
+                f"- {e['component']} at {e['at']:.0f}s rc={e['returncode']} [{e['category']}: {e['cause']}]: `{md_cell(e['error_line'])}`"
+            )
+        L.append("")
+    sections = [
+        ("Tries with more than one failure/retry callback", "duplicate_callback_tries"),
+        ("SUCCESS after a failure/retry callback for the same try", "success_after_failure_callback"),
+        ("Sensors failed by a stale executor event", "sensors_failed_by_stale_event"),
+        ("Tries without a try-history row", "tries_without_history"),
+        ("TIs with more tries than max_tries+1", "tis_over_max_tries"),
+    ]
+    for title, key in sections:
+        items = r[key]
+        if not items:
+            continue
+        L.append(f"## {title} ({len(items)})\n")
+        for it in items[:30]:
+            L.append("- " + ", ".join(f"{k}={md_cell(str(v))}" for k, v in it.items() if k != "ti_id"))
+        if len(items) > 30:
+            L.append(f"- ... {len(items) - 30} more (see JSON)")
+        L.append("")
+    if r["other_exceptions"]:
+        L.append("## Exceptions in the scheduler log (until shutdown)\n")
+        L.append("| count | exception |\n|---|---|")
+        for e in r["other_exceptions"][:25]:
+            L.append(f"| {e['count']} | `{md_cell(e['example'][:200])}` |")
+        L.append("")
+    L.append(
+        f"Logs: `{r['home']}/logs/` (scheduler.log, dag-processor.log, api-server.log); callbacks: `{r['home']}/callbacks.jsonl`.\n"
+    )
+    return "\n".join(L)
+
+
+def md_cell(s: str) -> str:
+    return s.replace("|", "\\|").replace("`", "'").replace("\n", " ")
+
+
+# --------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--dsn", required=True, help="SQLAlchemy URL of a database the soak may WIPE")
+    p.add_argument("--backend", required=True, choices=["postgres", "mysql", "sqlite"])
+    p.add_argument(
+        "--duration", type=float, default=360, help="seconds the components run under chaos (default 360)"
+    )
+    p.add_argument(
+        "--drain", type=float, default=15, help="seconds without faults before shutdown (default 15)"
+    )
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument(
+        "--report", required=True, help="report path; writes PATH.md and PATH.json (suffix stripped)"
+    )
+    p.add_argument("--label", default="series", help="base|series (goes into the report)")
+    p.add_argument(
+        "--interval",
+        type=float,
+        nargs=2,
+        default=(3.0, 8.0),
+        metavar=("MIN", "MAX"),
+        help="seconds between faults",
+    )
+    p.add_argument(
+        "--stop-seconds",
+        type=float,
+        nargs=2,
+        default=(10.0, 40.0),
+        metavar=("MIN", "MAX"),
+        help="how long a SIGSTOPped process stays stopped",
+    )
+    p.add_argument(
+        "--listener-sleep", type=float, default=5.0, help="seconds on_task_instance_failed sleeps (default 5)"
+    )
+    p.add_argument("--no-chaos", action="store_true", help="inject no fault (slow listener only)")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="also fail on stale-event failures, missing history, excess tries, success after failure callback",
+    )
+    p.add_argument(
+        "--warmup-timeout", type=float, default=300, help="max seconds until the first task process runs"
+    )
+    p.add_argument("--home", help="AIRFLOW_HOME to use (default: a new temp dir)")
+    p.add_argument("--keep-home", action="store_true", help="keep the AIRFLOW_HOME (always kept on failure)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.backend == "sqlite" or args.dsn.startswith("sqlite"):
+        print(
+            "soak: sqlite is excluded: scheduler, api-server, dag-processor and task processes write "
+            "concurrently; Airflow documents SQLite as a development backend without concurrent writers, "
+            "so a soak there would measure SQLite locking, not the series.",
+            file=sys.stderr,
+        )
+        return 2
+    if not AIRFLOW.exists():
+        print(f"soak: {AIRFLOW} not found; run with the python of the venv under test", file=sys.stderr)
+        return 2
+    # Airflow 3 also opens an async engine on the metadata DB (asyncpg / aiomysql).
+    import importlib.util
+
+    async_driver = {"postgres": "asyncpg", "mysql": "aiomysql"}[args.backend]
+    if importlib.util.find_spec(async_driver) is None:
+        print(
+            f"soak: {async_driver} is not installed in {sys.prefix}; Airflow's api-server/CLI need it",
+            file=sys.stderr,
+        )
+        return 2
+    soak = Soak(args)
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)  # also when started in the background (SIGINT ignored)
+    report_base = Path(args.report)
+    if report_base.suffix in (".md", ".json"):
+        report_base = report_base.with_suffix("")
+    code = 2
+    try:
+        soak.setup()
+        log(f"running {args.duration:.0f}s, seed {args.seed}, chaos {'off' if args.no_chaos else 'on'}")
+        soak.run()
+    except KeyboardInterrupt as e:
+        soak.interrupted = True
+        soak.t_end = time.monotonic()
+        log(f"interrupted ({e or 'Ctrl-C'}); stopping everything")
+    except SoakError as e:
+        log(f"SOAK ERROR: {e}")
+        soak.stop_all()
+        return 2
+    except BaseException:
+        soak.stop_all()
+        raise
+    try:
+        soak.stop_all()
+    except KeyboardInterrupt:
+        soak.stop_all()
+    if soak.t_launch == 0:
+        return 2
+    report = analyse(soak)
+    md = to_markdown(report)
+    report_base.parent.mkdir(parents=True, exist_ok=True)
+    report_base.with_suffix(".md").write_text(md)
+    report_base.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+    print(md)
+    log(f"report: {report_base.with_suffix('.md')} / .json")
+    code = report["exit_code"]
+    if code == 0 and not args.keep_home and not args.home:
+        shutil.rmtree(soak.home, ignore_errors=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
