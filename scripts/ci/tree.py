@@ -239,7 +239,8 @@ def refresh(root: Path) -> str:
         git(
             tree,
             "format-patch",
-            *("-q", "-N", "--zero-commit", "--no-signature", "--src-prefix=a/airflow-core/"),
+            *("-q", "-N", "--zero-commit", "--no-signature", "--filename-max-length=100"),
+            "--src-prefix=a/airflow-core/",
             *("--dst-prefix=b/airflow-core/", "-o", str(out), "base..HEAD"),
         )
         names = []

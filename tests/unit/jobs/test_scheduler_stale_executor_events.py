@@ -45,7 +45,7 @@ from airflow.providers.standard.sensors.time_delta import TimeDeltaSensor
 from airflow.triggers.base import TriggerEvent
 from airflow.utils.state import TaskInstanceState
 
-PATCH = "Ignore-stale-executor-events-from-an-earlier-process.patch"
+PATCH = "Ignore-stale-executor-events-from-an-earlier-process-of-the-live-try.patch"
 
 pytestmark = pytest.mark.db_test
 

@@ -1,0 +1,143 @@
+# Licensed under the Apache License, Version 2.0 (the "License"); see the Apache Airflow project.
+"""
+The scheduler survives a database error in the failure handling of one executor event (#71923).
+
+On 3.3.2 an exception from ``TaskInstance.handle_failure`` inside
+``SchedulerJobRunner._process_executor_events`` leaves the scheduler loop and the scheduler
+process exits; the other events of the batch, already taken out of the executor's buffer, are
+lost. The error here is a real one from the database: right before the UPDATE that gives the
+first failed TI its new id, a ``task_reschedule`` row for its old id is inserted on the same
+connection (what the execution API's reschedule did in #71923), so the UPDATE fails with the
+database's own foreign-key IntegrityError (postgres ForeignKeyViolation, MariaDB 1451, SQLite
+"FOREIGN KEY constraint failed").
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+
+import pytest
+from sqlalchemy import event, insert
+
+from airflow import settings
+from airflow._shared.timezones import timezone
+from airflow.listeners import hookimpl
+from airflow.listeners.listener import get_listener_manager
+from airflow.models.taskreschedule import TaskReschedule
+from airflow.utils.state import TaskInstanceState
+
+from tests.unit.ti_race import make_running_tis, read_rows
+
+P4 = "Keep-the-scheduler-running-when-handling-one-executor-event-fails-in-the-DB.patch"
+
+pytestmark = pytest.mark.db_test
+
+UPDATE_OF_TI_ID = re.compile(r"^\s*UPDATE task_instance SET .*\bid\s*=", re.IGNORECASE | re.DOTALL)
+
+
+class RecordingListener:
+    def __init__(self):
+        self.failed: list[str] = []
+
+    @hookimpl
+    def on_task_instance_failed(self, previous_state, task_instance, error):
+        self.failed.append(task_instance.task_id)
+
+
+@pytest.fixture
+def listener():
+    lm = get_listener_manager()
+    lm.clear()
+    recording = RecordingListener()
+    lm.add_listener(recording)
+    yield recording
+    lm.clear()
+
+
+class ForeignKeyViolationOnce:
+    """
+    Before the first UPDATE of a task instance id on this thread, insert ``task_reschedule`` rows
+    for ``ti_ids`` on the same connection, in the same transaction: the UPDATE then fails with the
+    database's foreign-key error. Fires once.
+    """
+
+    def __init__(self, ti_ids):
+        self.ti_ids = list(ti_ids)
+        self.thread = threading.current_thread()
+        self.fired = False
+        event.listen(settings.engine, "before_cursor_execute", self._before)
+
+    def _before(self, conn, cursor, statement, parameters, context, executemany):
+        if (
+            self.fired
+            or threading.current_thread() is not self.thread
+            or not UPDATE_OF_TI_ID.match(statement)
+        ):
+            return
+        self.fired = True
+        now = timezone.utcnow()
+        conn.execute(
+            insert(TaskReschedule.__table__),
+            [
+                {"ti_id": ti_id, "start_date": now, "end_date": now, "duration": 0, "reschedule_date": now}
+                for ti_id in self.ti_ids
+            ],
+        )
+
+    def remove(self):
+        event.remove(settings.engine, "before_cursor_execute", self._before)
+
+
+@pytest.mark.proves(P4)
+def test_integrity_error_in_failure_handling_does_not_stop_the_scheduler(
+    dag_maker, session, scheduler_job_runner, listener, caplog, capsys
+):
+    runner = scheduler_job_runner
+    executor = runner.executor
+    tis = make_running_tis(
+        dag_maker, session, dag_id="survive", task_ids=("first", "second"), queued_by_job_id=runner.job.id
+    )
+    keys = {ti.task_id: (ti.dag_id, ti.task_id, ti.run_id, ti.map_index) for ti in tis}
+    old_ids = {ti.task_id: ti.id for ti in tis}
+    for ti in tis:
+        executor.event_buffer[ti.key] = (TaskInstanceState.FAILED, None)
+    session.expunge_all()
+
+    injected = ForeignKeyViolationOnce(old_ids.values())
+    try:
+        with caplog.at_level(logging.ERROR):
+            try:
+                runner._process_executor_events(executor=executor, session=session)
+            except Exception as e:
+                pytest.fail(f"_process_executor_events raised {e!r}: the scheduler loop would exit")
+    finally:
+        injected.remove()
+    session.commit()
+    assert injected.fired, "no UPDATE of a task instance id was seen"
+
+    rows = {task_id: read_rows(*key) for task_id, key in keys.items()}
+    failed_first = [t for t, r in rows.items() if r.state == TaskInstanceState.RUNNING]
+    handled = [t for t, r in rows.items() if r.state == TaskInstanceState.UP_FOR_RETRY]
+    # The event whose handling failed is rolled back entirely (no try history, old id, no
+    # task_reschedule row from the failed attempt), the other event of the batch is handled.
+    assert len(failed_first) == 1 and len(handled) == 1, rows
+    (failed,), (other,) = failed_first, handled
+    assert rows[failed].ti_id == old_ids[failed] and rows[failed].history_tries == [], rows
+    assert rows[failed].reschedule_ti_ids == [], rows
+    assert rows[other].ti_id != old_ids[other] and rows[other].history_tries == [1], rows
+    assert listener.failed == [other], "listener called for a failure that was rolled back"
+    logged = caplog.text + "".join(capsys.readouterr())  # stdlib logging or Airflow's structlog output
+    assert "Database error while handling executor event" in logged, "the database error was not logged"
+    assert "IntegrityError" in logged, "the database error was not logged with its exception"
+    # The failed event is back in the executor's buffer, handled on the next pass.
+    assert [k.task_id for k in executor.event_buffer] == [failed]
+
+    runner._process_executor_events(executor=executor, session=session)
+    session.commit()
+    again = read_rows(*keys[failed])
+    assert again.state == TaskInstanceState.UP_FOR_RETRY, again
+    assert again.ti_id != old_ids[failed] and again.history_tries == [1], again
+    assert sorted(listener.failed) == sorted([failed, other])
+    assert executor.event_buffer == {}

@@ -1,0 +1,631 @@
+# Licensed under the Apache License, Version 2.0 (the "License"); see the Apache Airflow project.
+"""
+Retry preparation of a task instance racing the execution API's reschedule (upstream #71923).
+
+For a RUNNING, retry-eligible TI, failure handling (``TaskInstance.handle_failure``, reached from
+the scheduler's ``_process_executor_events``) records try history, deletes the TI's
+``task_reschedule`` rows, gives the TI a new ``id``, calls the ``on_task_instance_failed``
+listeners, flushes and commits. The execution API's ``ti_update_state`` with a
+``TIRescheduleStatePayload`` (``SELECT ... FOR UPDATE`` on the TI, INSERT ``task_reschedule`` for
+its id, state ``up_for_reschedule``, COMMIT) for the same TI must not make it fail.
+
+Both writers are real: failure handling runs Airflow's code on ``settings.Session``; the API is
+Airflow's execution API app in-process (``InProcessExecutionAPI``, JWT auth overridden by Airflow
+itself), whose route runs on its own session and connection. Interleavings are forced with
+:class:`ti_race.Pause` (a thread stops right after a given SQL statement, inside its open
+transaction) and observed with :func:`ti_race.lock_waiters` (the server's lock-wait views);
+every wait has a timeout.
+
+A consistent end state is one of:
+
+* the reschedule won: the TI keeps its id, is ``up_for_reschedule``, has its ``task_reschedule``
+  row, no try history was recorded, the API answered 204;
+* the failure won: the TI has a new id, is ``up_for_retry``, one try-history row (try 1), no
+  ``task_reschedule`` row for either id, and the API answered 404 (the id it asked for is gone).
+
+Backends: "mysql" is MariaDB 10.11 here, at READ COMMITTED like Airflow runs MySQL. MySQL 8 was not
+available; its InnoDB locking reads behave like MariaDB's for these statements.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sqlite3
+
+import pytest
+from sqlalchemy import select, text
+
+from airflow import settings
+from airflow.listeners import hookimpl
+from airflow.listeners.listener import get_listener_manager
+from airflow.models.taskinstance import TaskInstance, clear_task_instances
+from airflow.utils.state import TaskInstanceState
+
+from tests.unit.ti_race import (
+    WAIT,
+    ExecutionApi,
+    Pause,
+    StatementLog,
+    Worker,
+    lock_waiters,
+    make_running_tis,
+    read_rows,
+    wait_until,
+)
+
+P1 = "Delete-task-reschedules-of-a-retried-TI-right-before-its-id-changes.patch"
+P2 = "Serialise-TI-failure-handling-with-the-execution-API-using-the-TI-row-lock.patch"
+P3 = "Call-on_task_instance_failed-listeners-after-the-failure-is-committed.patch"
+
+pytestmark = pytest.mark.db_test
+
+# SQL the two writers run; the pauses are placed after these statements.
+API_INSERTS_RESCHEDULE = r"^\s*INSERT INTO task_reschedule\b"
+READS_TRY_HISTORY = r"\bFROM task_instance_history\b"  # record_ti(), just before the delete + new id
+SCHEDULER_READS_BATCH = r"^\s*SELECT\b.*\bFROM task_instance\b"  # _process_executor_events' batch query
+
+
+class CallListener:
+    """An ``on_task_instance_failed`` listener that runs ``action`` (once) and records its calls."""
+
+    def __init__(self, action=None):
+        self.action = action
+        self.calls: list[dict] = []
+
+    @hookimpl
+    def on_task_instance_failed(self, previous_state, task_instance, error):
+        self.calls.append({"previous_state": previous_state, "task_instance": task_instance, "error": error})
+        if self.action is not None and len(self.calls) == 1:
+            self.action()
+
+
+@pytest.fixture
+def listener_manager():
+    lm = get_listener_manager()
+    lm.clear()
+    yield lm
+    lm.clear()
+
+
+@pytest.fixture(scope="module")
+def api():
+    """Airflow's execution API in-process; warmed up once per module (see ExecutionApi.warm_up)."""
+    execution_api = ExecutionApi()
+    execution_api.warm_up()
+    return execution_api
+
+
+@pytest.fixture
+def pauses():
+    made: list[Pause] = []
+
+    def make(*args, **kwargs) -> Pause:
+        pause = Pause(*args, **kwargs)
+        made.append(pause)
+        return pause
+
+    yield make
+    for pause in made:
+        pause.remove()
+
+
+def _key(ti: TaskInstance) -> tuple[str, str, str, int]:
+    return ti.dag_id, ti.task_id, ti.run_id, ti.map_index
+
+
+def assert_consistent(rows, old_id, api_status: int) -> str:
+    """Assert one of the two consistent outcomes (module docstring); return which one."""
+    if rows.state == TaskInstanceState.UP_FOR_RESCHEDULE:
+        assert rows.ti_id == old_id, rows
+        assert rows.reschedule_ti_ids == [old_id], rows
+        assert rows.history_tries == [], rows
+        assert api_status == 204, (api_status, rows)
+        return "reschedule won"
+    assert rows.state == TaskInstanceState.UP_FOR_RETRY, rows
+    assert rows.ti_id != old_id, rows
+    assert rows.history_tries == [1], rows
+    assert rows.reschedule_ti_ids == [], rows
+    assert api_status == 404, (
+        f"the API answered {api_status} and its reschedule of {old_id} was overwritten by the retry: {rows}"
+    )
+    return "failure won"
+
+
+def run_in_scheduler_thread(fn, name="failure-handling") -> Worker:
+    """Run ``fn(session)`` on the new thread's own ``settings.Session`` (own connection); removed after."""
+
+    def target():
+        session = settings.Session()
+        try:
+            return fn(session)
+        finally:
+            session.rollback()
+            settings.Session.remove()
+
+    return Worker(target, name=name)
+
+
+def handle_failure_of(key, task):
+    def fn(session):
+        dag_id, task_id, run_id, map_index = key
+        ti = session.scalars(
+            select(TaskInstance).where(
+                TaskInstance.dag_id == dag_id,
+                TaskInstance.task_id == task_id,
+                TaskInstance.run_id == run_id,
+                TaskInstance.map_index == map_index,
+            )
+        ).one()
+        ti.task = task
+        ti.handle_failure("task failed (test)", session=session)
+
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------
+# Patch 1: the task_reschedule delete is adjacent to the statement that changes ti.id
+# ---------------------------------------------------------------------------------------------
+def _clear(ti, session):
+    clear_task_instances([ti], session)
+    session.commit()
+
+
+def _fail(ti, session):
+    ti.handle_failure("task failed (test)", session=session)
+
+
+@pytest.mark.proves(P1)
+@pytest.mark.parametrize("caller", [_fail, _clear], ids=["handle_failure", "clear_task_instances"])
+def test_reschedule_delete_runs_right_before_id_change(dag_maker, session, listener_manager, caller):
+    """The DELETE of the old id's task_reschedule rows is the statement right before the UPDATE of the id."""
+    listener_manager.add_listener(CallListener())
+    (ti,) = make_running_tis(dag_maker, session, dag_id="adjacent")
+    old_id = ti.id
+    statements = StatementLog()
+    try:
+        caller(ti, session)
+    finally:
+        statements.remove()
+
+    deletes = [i for i, s in enumerate(statements.statements) if s.startswith("DELETE FROM task_reschedule")]
+    assert deletes, statements.statements
+    for i in deletes:
+        following = statements.statements[i + 1] if i + 1 < len(statements.statements) else "<none>"
+        assert re.match(r"UPDATE task_instance SET .*\bid\s*=", following), (
+            f"statement after {statements.statements[i]!r} is {following!r}, not the UPDATE of the id"
+        )
+    assert read_rows(*_key(ti)).ti_id != old_id
+
+
+# ---------------------------------------------------------------------------------------------
+# Patch 2: the two writers are serialised by the TI row lock
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.proves(P2)
+@pytest.mark.backend("postgres", "mysql")
+def test_reschedule_committed_while_failure_listener_runs(dag_maker, session, listener_manager, api):
+    """
+    The reported race: the API's reschedule arrives while an ``on_task_instance_failed`` listener runs.
+
+    On 3.3.2 the API commits its task_reschedule row for the old id during the listener and the
+    flush fails: postgres ``ForeignKeyViolation ... task_reschedule_ti_fkey``, MariaDB/MySQL
+    ``(1451, 'Cannot delete or update a parent row ...')``. With only the delete moved next to the
+    flush, the API's committed reschedule is deleted and overwritten although it answered 204.
+    With the row lock, the API waits for failure handling and gets 404.
+    """
+    (ti,) = make_running_tis(dag_maker, session, dag_id="listener_race")
+    old_id = ti.id
+    calls: list[Worker] = []
+
+    def reschedule_while_listener_runs():
+        worker = api.reschedule_in_thread(old_id)
+        calls.append(worker)
+        wait_until(
+            lambda: worker.done.is_set() or lock_waiters() > 0,
+            "the API's reschedule committed or waits for the TI row lock",
+        )
+
+    listener = CallListener(reschedule_while_listener_runs)
+    listener_manager.add_listener(listener)
+
+    error = None
+    try:
+        ti.handle_failure("task failed (test)", session=session)
+    except Exception as e:  # the base raises the FK IntegrityError here
+        error = e
+        session.rollback()
+    status = calls[0].join_or_fail() if calls else None
+    assert error is None, f"failure handling raised {error!r}"
+    assert len(listener.calls) == 1
+    assert assert_consistent(read_rows(*_key(ti)), old_id, status) == "failure won"
+
+
+@pytest.mark.proves(P2)
+@pytest.mark.backend("postgres", "mysql")
+def test_api_takes_row_lock_first(dag_maker, session, listener_manager, api, pauses):
+    """
+    Lock order 1: the API holds the TI row lock, with its task_reschedule row written, uncommitted;
+    then failure handling starts. It must wait for the API's commit and then see
+    ``up_for_reschedule``: keep the id, not overwrite the state (the reschedule won).
+
+    On 3.3.2 it does not wait before the UPDATE of the id, which then fails on the committed
+    task_reschedule row (postgres: ForeignKeyViolation); on MariaDB its DELETE waits for the API's
+    row instead and deletes it after the commit, overwriting the reschedule the API confirmed.
+    """
+    listener_manager.add_listener(CallListener())
+    (ti,) = make_running_tis(dag_maker, session, dag_id="api_first")
+    old_id = ti.id
+    failure = run_in_scheduler_thread(handle_failure_of(_key(ti), ti.task))
+    api_paused = pauses(API_INSERTS_RESCHEDULE, not_thread=failure)
+
+    api_call = api.reschedule_in_thread(old_id)
+    assert api_paused.reached.wait(WAIT), "the API never wrote its task_reschedule row"
+
+    failure.start()
+    wait_until(
+        lambda: failure.done.is_set() or lock_waiters() > 0, "failure handling waits for a row lock or ends"
+    )
+    api_paused.release()
+    status = api_call.join_or_fail()
+    failure.join_or_fail()
+
+    assert failure.error is None, f"failure handling raised {failure.error!r}"
+    assert status == 204
+    assert assert_consistent(read_rows(*_key(ti)), old_id, status) == "reschedule won"
+
+
+@pytest.mark.proves(P2)
+@pytest.mark.backend("postgres", "mysql")
+def test_failure_handling_takes_row_lock_first(dag_maker, session, listener_manager, api, pauses):
+    """
+    Lock order 2: failure handling has started retry preparation (it is about to delete and rotate
+    the id) when the API's reschedule arrives. The API must wait for the row lock and then answer
+    404; the failure won.
+
+    On 3.3.2 nothing makes the API wait: it commits its reschedule (204), which failure handling
+    then deletes and overwrites with up_for_retry.
+    """
+    listener_manager.add_listener(CallListener())
+    (ti,) = make_running_tis(dag_maker, session, dag_id="failure_first")
+    old_id = ti.id
+    failure = run_in_scheduler_thread(handle_failure_of(_key(ti), ti.task))
+    paused = pauses(READS_TRY_HISTORY, thread=failure)
+
+    failure.start()
+    assert paused.reached.wait(WAIT), "failure handling never recorded try history"
+    api_call = api.reschedule_in_thread(old_id)
+    wait_until(lambda: api_call.done.is_set() or lock_waiters() > 0, "the API waits for the row lock or ends")
+    paused.release()
+    failure.join_or_fail()
+    status = api_call.join_or_fail()
+
+    assert failure.error is None, f"failure handling raised {failure.error!r}"
+    assert assert_consistent(read_rows(*_key(ti)), old_id, status) == "failure won"
+
+
+@pytest.mark.proves(P3)
+@pytest.mark.backend("sqlite")
+def test_sqlite_reschedule_while_failure_listener_runs(dag_maker, session, listener_manager, api):
+    """
+    The reported race on SQLite, which has no row locks: on 3.3.2 failure handling has already
+    written (its task_reschedule DELETE) when the listener runs, so SQLite's database lock makes
+    the API wait out its busy timeout and fail (``database is locked``); the scheduler survives.
+    With the delete moved to the flush (and a FOR UPDATE that SQLite does not emit), nothing is
+    written yet: the API commits (204) and its reschedule is then overwritten by the retry. Only
+    running the listeners after the commit makes the outcome consistent: the API gets 404.
+    """
+    (ti,) = make_running_tis(dag_maker, session, dag_id="sqlite_listener_race")
+    old_id = ti.id
+    calls: list[Worker] = []
+
+    def reschedule_while_listener_runs():
+        worker = api.reschedule_in_thread(old_id)
+        calls.append(worker)
+        worker.join_or_fail()
+
+    listener = CallListener(reschedule_while_listener_runs)
+    listener_manager.add_listener(listener)
+    ti.handle_failure("task failed (test)", session=session)
+
+    api_call = calls[0]
+    assert api_call.error is None, f"the API call raised {api_call.error!r}"
+    assert assert_consistent(read_rows(*_key(ti)), old_id, api_call.result) == "failure won"
+
+
+@pytest.mark.guard
+@pytest.mark.backend("sqlite")
+def test_sqlite_reschedule_between_failure_read_and_write_is_overwritten(
+    dag_maker, session, listener_manager, api, pauses
+):
+    """
+    Documents SQLite (no row locks; ``FOR UPDATE`` is not emitted): lock order 2 cannot be
+    serialised. A reschedule the API commits after failure handling read the TI and before it
+    writes is overwritten by the retry: no error on either side, the TI gets a new id and is
+    up_for_retry, no task_reschedule row is left, but the API had answered 204. SQLite serialises
+    only writers (its database lock), and failure handling has not written yet at that point.
+    Same on 3.3.2 and with the series.
+    """
+    listener_manager.add_listener(CallListener())
+    (ti,) = make_running_tis(dag_maker, session, dag_id="sqlite_order2")
+    old_id = ti.id
+    failure = run_in_scheduler_thread(handle_failure_of(_key(ti), ti.task))
+    paused = pauses(READS_TRY_HISTORY, thread=failure)
+
+    failure.start()
+    assert paused.reached.wait(WAIT)
+    status = api.reschedule(old_id)
+    paused.release()
+    failure.join_or_fail()
+
+    assert failure.error is None
+    assert status == 204
+    rows = read_rows(*_key(ti))
+    assert (rows.state, rows.ti_id != old_id, rows.reschedule_ti_ids, rows.history_tries) == (
+        TaskInstanceState.UP_FOR_RETRY,
+        True,
+        [],
+        [1],
+    )
+
+
+@pytest.mark.proves(P2, base_ok_on=("mysql",))
+@pytest.mark.backend("postgres", "mysql")
+def test_clearing_running_sensor_while_reschedule_in_flight(dag_maker, session, api, pauses):
+    """
+    Another caller of ``prepare_db_for_next_try``: clearing the TI of a running sensor
+    (``clear_task_instances``: try history, delete, new id, ``restarting``) while the API holds the
+    TI row lock with its task_reschedule row written. Clearing must wait and then win: new id,
+    ``restarting``, no task_reschedule row, one history row, no error.
+
+    On 3.3.2, postgres: the UPDATE of the id fails with ForeignKeyViolation on the API's committed
+    row. MariaDB is not vulnerable here: clearing's early DELETE waits for the API's uncommitted
+    row (InnoDB locks it) and deletes it after the commit.
+    """
+    (ti,) = make_running_tis(dag_maker, session, dag_id="clear_race")
+    old_id = ti.id
+    key = _key(ti)
+
+    def clear(s):
+        dag_id, task_id, run_id, map_index = key
+        tis = list(
+            s.scalars(
+                select(TaskInstance).where(TaskInstance.dag_id == dag_id, TaskInstance.run_id == run_id)
+            )
+        )
+        clear_task_instances(tis, s)
+        s.commit()
+
+    clearing = run_in_scheduler_thread(clear, name="clear")
+    api_paused = pauses(API_INSERTS_RESCHEDULE, not_thread=clearing)
+    api_call = api.reschedule_in_thread(old_id)
+    assert api_paused.reached.wait(WAIT), "the API never wrote its task_reschedule row"
+
+    clearing.start()
+    wait_until(lambda: clearing.done.is_set() or lock_waiters() > 0, "clearing waits for a row lock or ends")
+    api_paused.release()
+    status = api_call.join_or_fail()
+    clearing.join_or_fail()
+
+    assert clearing.error is None, f"clearing raised {clearing.error!r}"
+    assert status == 204
+    rows = read_rows(*key)
+    assert rows.state == TaskInstanceState.RESTARTING, rows
+    assert rows.ti_id != old_id, rows
+    assert rows.reschedule_ti_ids == [], rows
+    assert rows.history_tries == [1], rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Patch 2 through the real scheduler path: _process_executor_events
+# ---------------------------------------------------------------------------------------------
+def _running_ti_with_failed_event(dag_maker, session, runner, dag_id):
+    (ti,) = make_running_tis(
+        dag_maker,
+        session,
+        dag_id=dag_id,
+        queued_by_job_id=runner.job.id,
+        on_retry_callback=lambda context: None,
+    )
+    runner.executor.event_buffer[ti.key] = (TaskInstanceState.FAILED, None)
+    session.expunge_all()
+    return ti
+
+
+@pytest.mark.proves(P2, base_ok_on=("postgres",))
+def test_executor_event_while_reschedule_commits(
+    dag_maker, session, listener_manager, api, pauses, scheduler_job_runner
+):
+    """
+    The scheduler's path: a FAILED executor event for a running TI (task with on_retry_callback),
+    processed by ``_process_executor_events``, while the API's reschedule of the TI commits after
+    the scheduler read its batch of TIs and before it handles the failure.
+
+    Vulnerable on the base (+ the callback-sink patch): MariaDB and SQLite, where the batch query
+    locks nothing (``with_row_locks`` emits no FOR UPDATE there): failure handling overwrote the
+    committed up_for_reschedule with up_for_retry, keeping the id and the reschedule row, after the
+    API answered 204. Not on postgres, where the batch query's ``FOR NO KEY UPDATE SKIP LOCKED``
+    lock (kept until failure handling commits) makes the API wait and answer 404. With the series
+    none is: failure handling re-reads under its own lock and leaves the rescheduled TI alone.
+    """
+    runner = scheduler_job_runner
+    listener_manager.add_listener(CallListener())
+    ti = _running_ti_with_failed_event(dag_maker, session, runner, "executor_event_race")
+    old_id = ti.id
+
+    def process(s):
+        return runner._process_executor_events(executor=runner.executor, session=s)
+
+    scheduler = run_in_scheduler_thread(process, name="scheduler")
+    paused = pauses(SCHEDULER_READS_BATCH, thread=scheduler)
+    scheduler.start()
+    assert paused.reached.wait(WAIT), "the scheduler never read its batch of TIs"
+    api_call = api.reschedule_in_thread(old_id)
+    wait_until(lambda: api_call.done.is_set() or lock_waiters() > 0, "the API waits for the row lock or ends")
+    paused.release()
+    scheduler.join_or_fail()
+    status = api_call.join_or_fail()
+
+    assert scheduler.error is None, f"_process_executor_events raised {scheduler.error!r}"
+    assert_consistent(read_rows(*_key(ti)), old_id, status)
+
+
+@pytest.mark.proves(P2, base_ok_on=("postgres",))
+@pytest.mark.backend("postgres", "mysql")
+def test_executor_event_while_failure_listener_runs(
+    dag_maker, session, listener_manager, api, scheduler_job_runner
+):
+    """
+    The production crash: ``_process_executor_events`` handles a FAILED event while a slow
+    ``on_task_instance_failed`` listener runs and the API's reschedule for the TI arrives.
+
+    On MariaDB (base + callback-sink patch) the API commits during the listener and the
+    ``(1451, ... task_reschedule_ti_fkey ...)`` IntegrityError leaves ``_process_executor_events``
+    (the scheduler exits). Postgres is not vulnerable on that base: the batch query's row lock,
+    kept by the callback-sink patch, makes the API wait (404).
+    """
+    runner = scheduler_job_runner
+    ti = _running_ti_with_failed_event(dag_maker, session, runner, "executor_listener_race")
+    old_id = ti.id
+    calls: list[Worker] = []
+
+    def reschedule_while_listener_runs():
+        worker = api.reschedule_in_thread(old_id)
+        calls.append(worker)
+        wait_until(
+            lambda: worker.done.is_set() or lock_waiters() > 0,
+            "the API's reschedule committed or waits for the TI row lock",
+        )
+
+    listener = CallListener(reschedule_while_listener_runs)
+    listener_manager.add_listener(listener)
+    error = None
+    try:
+        runner._process_executor_events(executor=runner.executor, session=session)
+    except Exception as e:  # the base raises the FK IntegrityError here
+        error = e
+        session.rollback()
+    status = calls[0].join_or_fail() if calls else None
+    assert error is None, f"_process_executor_events raised {error!r}"
+    assert assert_consistent(read_rows(*_key(ti)), old_id, status) == "failure won"
+
+
+# ---------------------------------------------------------------------------------------------
+# Patch 3: on_task_instance_failed listeners run after the commit
+# ---------------------------------------------------------------------------------------------
+def _row_lock_free(key) -> bool:
+    """Whether another connection can lock the TI row (or, on SQLite, the database) without waiting."""
+    from tests.unit.conftest import make_engine
+
+    dag_id, task_id, run_id, map_index = key
+    engine = make_engine()
+    try:
+        with engine.connect() as conn:
+            if conn.dialect.name == "sqlite":
+                raw = conn.connection.driver_connection
+                raw.execute("PRAGMA busy_timeout = 0")
+                try:
+                    raw.execute("BEGIN IMMEDIATE")
+                    raw.execute("ROLLBACK")
+                    return True
+                except sqlite3.OperationalError:
+                    return False
+            try:
+                conn.execute(
+                    select(TaskInstance.id)
+                    .where(
+                        TaskInstance.dag_id == dag_id,
+                        TaskInstance.task_id == task_id,
+                        TaskInstance.run_id == run_id,
+                        TaskInstance.map_index == map_index,
+                    )
+                    .with_for_update(nowait=True)
+                ).all()
+                return True
+            except Exception:
+                return False
+            finally:
+                conn.rollback()
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.proves(P3)
+def test_failure_listener_runs_after_commit(dag_maker, session, listener_manager):
+    """
+    While an ``on_task_instance_failed`` listener blocks, the failure is committed: a second
+    connection sees the new id and up_for_retry, and can lock the row at once (NOWAIT; on SQLite:
+    take the write lock); the failing session has no open transaction.
+    """
+    (ti,) = make_running_tis(dag_maker, session, dag_id="listener_after_commit")
+    old_id = ti.id
+    key = _key(ti)
+    seen: dict = {}
+
+    def look_from_outside():
+        seen["rows"] = read_rows(*key)
+        seen["lock_free"] = _row_lock_free(key)
+        seen["in_transaction"] = session.in_transaction()
+
+    listener = CallListener(look_from_outside)
+    listener_manager.add_listener(listener)
+    ti.handle_failure("task failed (test)", session=session)
+
+    assert len(listener.calls) == 1
+    rows = seen["rows"]
+    assert (rows.state, rows.ti_id != old_id) == (TaskInstanceState.UP_FOR_RETRY, True), rows
+    assert seen["lock_free"], "the TI row was still locked while the listener ran"
+    assert seen["in_transaction"] is False
+
+
+@pytest.mark.proves(P3)
+@pytest.mark.parametrize("outcome", ["commit", "rollback"])
+def test_failure_listener_follows_callers_transaction(dag_maker, session, listener_manager, outcome):
+    """
+    A caller of ``fetch_handle_failure_context`` that owns the transaction: the listeners run after
+    its commit, not before; after a rollback (the failure was never recorded) they do not run.
+    """
+    (ti,) = make_running_tis(dag_maker, session, dag_id=f"listener_{outcome}")
+    listener = CallListener()
+    listener_manager.add_listener(listener)
+
+    TaskInstance.fetch_handle_failure_context(ti, "task failed (test)", session=session)
+    assert listener.calls == [], "listener called before the caller's transaction ended"
+    getattr(session, outcome)()
+    assert len(listener.calls) == (1 if outcome == "commit" else 0)
+    # A later, unrelated transaction does not trigger them either.
+    session.execute(text("SELECT 1"))
+    session.commit()
+    assert len(listener.calls) == (1 if outcome == "commit" else 0)
+
+
+@pytest.mark.guard
+def test_failure_listener_arguments(dag_maker, session, listener_manager):
+    """Listener arguments are unchanged: previous_state RUNNING, the task instance, the error."""
+    (ti,) = make_running_tis(dag_maker, session, dag_id="listener_args")
+    listener = CallListener()
+    listener_manager.add_listener(listener)
+    ti.handle_failure("task failed (test)", session=session)
+
+    assert len(listener.calls) == 1
+    call = listener.calls[0]
+    assert call["previous_state"] == TaskInstanceState.RUNNING
+    assert call["task_instance"] is ti
+    assert call["error"] == "task failed (test)"
+    assert call["task_instance"].state == TaskInstanceState.UP_FOR_RETRY
+
+
+@pytest.mark.guard
+def test_raising_failure_listener_is_logged(dag_maker, session, listener_manager, caplog):
+    """A listener exception is logged and swallowed; the failure is recorded."""
+    (ti,) = make_running_tis(dag_maker, session, dag_id="listener_raises")
+
+    def boom():
+        raise RuntimeError("listener exploded")
+
+    listener_manager.add_listener(CallListener(boom))
+    with caplog.at_level(logging.ERROR, logger="airflow.models.taskinstance"):
+        ti.handle_failure("task failed (test)", session=session)
+
+    records = [r for r in caplog.records if r.getMessage() == "error calling listener"]
+    assert records and records[0].exc_info and "listener exploded" in str(records[0].exc_info[1])
+    assert read_rows(*_key(ti)).state == TaskInstanceState.UP_FOR_RETRY
