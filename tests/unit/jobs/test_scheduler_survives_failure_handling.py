@@ -30,7 +30,7 @@ from airflow.utils.state import TaskInstanceState
 
 from tests.unit.ti_race import make_running_tis, read_rows
 
-P4 = "Keep-the-scheduler-running-when-handling-one-executor-event-fails-in-the-DB.patch"
+P4 = "Keep-the-scheduler-running-when-one-executor-event-fails-in-the-DB.patch"
 
 pytestmark = pytest.mark.db_test
 

@@ -55,7 +55,7 @@ from tests.unit.ti_race import (
 )
 
 P1 = "Delete-task-reschedules-of-a-retried-TI-right-before-its-id-changes.patch"
-P2 = "Serialise-TI-failure-handling-with-the-execution-API-using-the-TI-row-lock.patch"
+P2 = "Serialise-TI-failure-handling-with-the-execution-API-via-the-row-lock.patch"
 P3 = "Call-on_task_instance_failed-listeners-after-the-failure-is-committed.patch"
 
 pytestmark = pytest.mark.db_test
