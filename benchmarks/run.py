@@ -1,0 +1,438 @@
+#!/usr/bin/env python3
+# Licensed under the Apache License, Version 2.0 (the "License"); see the Apache Airflow project.
+"""
+Benchmarks of the patch series, base vs series, in one run on one database: prints Markdown tables
+and writes them to ``benchmarks/results/<backend>.md``.
+
+    nox -s bench-postgres [-- --quick] [-- --only purge,listener] [-- --repeats 3]
+    python benchmarks/run.py --backend postgres [--quick]   # in a venv with the editable airflow-core,
+                                                             # AIRFLOW__DATABASE__SQL_ALCHEMY_CONN set
+
+For each variant (``base`` = ``tree.py checkout 0``, ``series`` = ``checkout all``) the tree is moved
+*first*, then a fresh ``worker.py`` process imports airflow from it, resets the database with Airflow's
+own code and measures; the tree is put back at ``checkout all`` at the end, also on error or Ctrl-C.
+This moves the shared ``airflow-core/`` working tree: do not run it while a test session uses it.
+This file does not import airflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(os.path.abspath(__file__)).parent  # not resolve(): a symlinked benchmarks/ uses its project
+
+
+def tree_cmd(root: Path, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "ci" / "tree.py"), "--root", str(root), *args],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode:
+        raise SystemExit(f"tree.py {' '.join(args)} failed: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+def series_names(root: Path) -> list[str]:
+    names = []
+    for line in (root / "patches" / "series").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.append(line)
+    return names
+
+
+def machine_facts() -> dict:
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "load_start": "%.2f %.2f %.2f" % os.getloadavg(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Formatting
+# ---------------------------------------------------------------------------------------------
+def med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def ms(x: float) -> str:
+    return f"{x * 1000:.0f}" if x == x else "n/a"
+
+
+def spread(xs) -> str:
+    """median (min–max) in ms."""
+    if not xs:
+        return "n/a"
+    return f"{ms(med(xs))} ({ms(min(xs))}–{ms(max(xs))})"
+
+
+def one(xs):
+    """The value if all repeats agree, else 'a–b'."""
+    xs = list(xs)
+    if not xs:
+        return "n/a"
+    lo, hi = min(xs), max(xs)
+    return f"{lo}" if lo == hi else f"{lo}–{hi}"
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def purge_table(res: dict[str, dict]) -> str:
+    b, s = res.get("base", {}).get("purge", []), res.get("series", {}).get("purge", [])
+    rows, rows2 = [], []
+    for n in sorted({r["n"] for r in b + s}):
+        rb, rs = [r for r in b if r["n"] == n], [r for r in s if r["n"] == n]
+        tb, ts = [r["seconds"] for r in rb], [r["seconds"] for r in rs]
+        ratio = med(ts) / med(tb) if tb and ts else float("nan")
+        eb = [r["seconds"] + r.get("followup_seconds", float("nan")) for r in rb]
+        es = [r["seconds"] + r.get("followup_seconds", float("nan")) for r in rs]
+        e_ratio = med(es) / med(eb) if eb and es else float("nan")
+        runs = (rb or rs)[0]
+
+        def pair(key, rb=rb, rs=rs):
+            return f"{one(r.get(key, 'n/a') for r in rb)} / {one(r.get(key, 'n/a') for r in rs)}"
+
+        lock_span = f"{ms(med([r['lock_span_max_s'] for r in rs]))}" if rs else "n/a"
+        rows.append(
+            [
+                n,
+                f"{runs['runs']} runs, {runs['dags']} DAGs",
+                spread(tb),
+                spread(ts),
+                f"{ratio:.2f}",
+                pair("statements"),
+                pair("commits"),
+                pair("lock_statements"),
+                pair("locked_rows"),
+                lock_span,
+                pair("callback_rows"),
+                pair("still_running"),
+                f"{len(tb)}/{len(ts)}",
+            ]
+        )
+        rows2.append(
+            [
+                n,
+                spread(eb),
+                spread(es),
+                f"{e_ratio:.2f}",
+                pair("followup_events"),
+                pair("followup_statements"),
+                pair("followup_commits"),
+                pair("running_after_followup"),
+                pair("callback_rows_after_followup"),
+            ]
+        )
+    one_pass = table(
+        [
+            "N TIs",
+            "spread over",
+            "base ms median (min–max)",
+            "series ms median (min–max)",
+            "ratio series/base",
+            "SQL statements base / series",
+            "commits base / series",
+            "locking SELECTs base / series",
+            "rows returned by locking SELECTs base / series",
+            "series: longest lock span ms (first locking SELECT → commit), median",
+            "callback rows base / series",
+            "TIs still RUNNING after the pass base / series",
+            "repeats",
+        ],
+        rows,
+    )
+    with_events = table(
+        [
+            "N TIs",
+            "base ms: pass + its executor events",
+            "series ms: pass + its executor events",
+            "ratio series/base",
+            "executor events base / series",
+            "their SQL statements base / series",
+            "their commits base / series",
+            "TIs still RUNNING after both base / series",
+            "callback rows after both base / series",
+        ],
+        rows2,
+    )
+    return (
+        one_pass
+        + "\n\nThe same repeats, counting also what the pass leaves to the scheduler loop: the FAILED "
+        "executor events it produced (`executor.change_state`), handled by the next `_process_executor_events` "
+        "(on the base, that is where the TIs are actually failed, as “killed externally”; the base also "
+        "re-sends the callback on every later scan while the TI stays RUNNING, not counted here).\n\n"
+        + with_events
+    )
+
+
+def listener_table(res: dict[str, dict]) -> str:
+    rows = []
+    for variant in ("base", "series"):
+        rs = res.get(variant, {}).get("listener", [])
+        for path in dict.fromkeys(r["path"] for r in rs):
+            for lat in sorted({r["latency"] for r in rs if r["path"] == path}):
+                g = [r for r in rs if r["path"] == path and r["latency"] == lat]
+                rows.append(
+                    [
+                        path,
+                        f"{lat:g}",
+                        variant,
+                        spread([r["seconds"] for r in g]),
+                        spread([r["lock_held_s"] for r in g]),
+                        one("yes" if r["locked_while_listener"] else "no" for r in g),
+                        spread([r["txn_max_s"] for r in g]),
+                        one("yes" if r["txn_open_during_listener"] else "no" for r in g),
+                        ", ".join(sorted({s for r in g for s in r["states_seen_in_listener"]})) or "-",
+                        one(r["final_state"] for r in g),
+                        "; ".join(
+                            sorted(
+                                {r["error"] for r in g if r["error"]}
+                                | {r["observer_error"] for r in g if r["observer_error"]}
+                            )
+                        )
+                        or "-",
+                        len(g),
+                    ]
+                )
+    return table(
+        [
+            "path",
+            "listener s",
+            "tree",
+            "call ms",
+            "TI row locked ms (2nd connection)",
+            "locked while listener ran",
+            "longest transaction ms",
+            "listener ran inside an open transaction",
+            "state seen by 2nd connection during listener",
+            "final state",
+            "errors",
+            "repeats",
+        ],
+        rows,
+    )
+
+
+def concurrent_table(res: dict[str, dict]) -> str:
+    rows = []
+    for variant in ("base", "series"):
+        for r in res.get(variant, {}).get("concurrent", []):
+            api = r["api"]
+            example = (r["crash_examples"] or [""])[0][:150].replace("`", "'")
+            api_s = ", ".join(f"{k} {v}" for k, v in sorted(api.items()))
+            rows.append(
+                [
+                    f"{r['latency']:g}",
+                    variant,
+                    f"{r['handled']}/{r['events']}",
+                    f"{r['sched_seconds']:.1f}",
+                    f"{r['events_per_s']:.1f}",
+                    f"{r['crashes']}"
+                    + (
+                        f" ({', '.join(f'{k} {v}' for k, v in r['crash_types'].items())}: `{example}`)"
+                        if r["crashes"]
+                        else ""
+                    ),
+                    f"{r['sched_lock_waits']} / {r['sched_lock_wait_s']:.2f}",
+                    f"{r['api_lock_waits']} / {r['api_lock_wait_s']:.2f}",
+                    api_s,
+                    ", ".join(
+                        f"{k} {v}" for k, v in sorted(r["outcomes"].items()) if k != "retry_over_reschedule"
+                    ),
+                    r["outcomes"].get("retry_over_reschedule", "n/a"),
+                ]
+            )
+    return table(
+        [
+            "listener s",
+            "tree",
+            "events handled (all rounds)",
+            "scheduler s (after warm-up round)",
+            "events/s (after warm-up)",
+            "scheduler crashes",
+            "scheduler lock waits (n / s)",
+            "API lock waits (n / s)",
+            "API results",
+            "final TI states",
+            "UP_FOR_RETRY over a committed reschedule (lost update)",
+        ],
+        rows,
+    )
+
+
+def matrix_section(backend: str) -> str:
+    f = HERE / "results" / f"matrix-{backend}.md"
+    if f.is_file():
+        return f.read_text().strip()
+    return (
+        f"_Not measured in this run: `python benchmarks/matrix_cost.py --backend {backend}` writes "
+        f"`benchmarks/results/matrix-{backend}.md`, included here on the next run._"
+    )
+
+
+def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[str]) -> str:
+    any_res = next(iter(res.values()), {})
+    server = any_res.get("server_version", "?")
+    locks = any_res.get("with_row_locks_locks")
+    out = [f"# Benchmarks on {backend}: base vs series", ""]
+    out += [
+        f"- date: {facts['date']}; mode: {'quick (smoke sizes)' if args.quick else 'full'}",
+        f"- machine: {facts['cores']} cores ({facts['cpu']}), load average at start {facts['load_start']}, "
+        f"at end {facts.get('load_end', '?')} (shared machine: absolute times are noisy, compare within a table)",
+        f"- Python {facts['python']}, {facts['platform']}",
+        f"- database server: {server}; Airflow's `with_row_locks` emits a row lock here: "
+        f"{'yes' if locks else 'no' + (' (MariaDB: no FOR UPDATE OF support, Airflow does not support MariaDB)' if backend == 'mysql' else ' (sqlite has no row locks)')}",
+        f"- airflow-core {any_res.get('airflow_version', '?')}; "
+        + "; ".join(
+            f"{v}: tree at {r['tree']['head']} ({r['tree']['patches_applied']} patches, “{r['tree']['subject']}”)"
+            for v, r in res.items()
+        ),
+        f"- series ({len(names)} patches): "
+        + (
+            ", ".join(f"`{n}`" for n in names)
+            if names
+            else "**empty — 'series' is the same tree as base (an A/A run: differences are noise)**"
+        ),
+        f"- project root: `{facts.get('root', '?')}` (its `patches/series` is the series measured)",
+        "- each variant ran in its own process after `tree.py checkout`, on a schema freshly reset by "
+        "Airflow (`db.resetdb`), base first",
+    ]
+    errs = {f"{v}/{k}": e for v, r in res.items() for k, e in r.get("errors", {}).items()}
+    if errs:
+        out += ["", "**Benchmarks that failed:**", ""]
+        out += [f"- {k}: `{e.strip().splitlines()[-1]}`" for k, e in errs.items()]
+    out += [
+        "",
+        "## 1. Heartbeat-timeout purge scaling",
+        "",
+        "One `SchedulerJobRunner._find_and_purge_task_instances_without_heartbeats()` pass (real runner, "
+        "recording executor) over N RUNNING TIs whose heartbeat is older than the timeout (10 tasks per run, "
+        "`retries=1`, up to 5 DAGs). SQL statements/commits counted with SQLAlchemy `before_cursor_execute`/"
+        "`commit` events on the scheduler's engine; rows returned by row-locking SELECTs count a row again "
+        "each time it is re-locked (e.g. scan + per-TI revalidation = 2 per TI). 5 repeats (N=1000: 3).",
+        "",
+        purge_table(res),
+        "",
+        "## 2. Failure handling vs `on_task_instance_failed` listener latency",
+        "",
+        "`handle_failure`: `ti.handle_failure(error, session=...)` on a RUNNING, retry-eligible TI. "
+        "`executor_event`: one FAILED executor event through `_process_executor_events` in `create_session()` "
+        "(the scheduler loop). A second connection polls every 2 ms: postgres/MySQL `SELECT ... FOR UPDATE NOWAIT` "
+        "on the TI row; sqlite has no row locks, so there it tries `BEGIN IMMEDIATE` with no busy timeout, i.e. "
+        "reports whether the database write lock is held. ‘Longest transaction’ is measured in-process "
+        "(engine `begin`→`commit`/`rollback` of the scheduler thread).",
+        "",
+        listener_table(res),
+        "",
+        "## 3. Concurrent throughput: executor FAILED events vs execution-API updates",
+        "",
+        "Rounds of M RUNNING TIs (`retries=1`, `on_failure_callback`/`on_retry_callback` set, so the "
+        "scheduler sends callbacks): the scheduler thread handles FAILED events in batches with "
+        "`_process_executor_events` (one `create_session()` per batch); for each TI of the batch being handled "
+        "a second thread/connection calls the real execution-API route functions `ti_heartbeat` then "
+        "`ti_update_state` (reschedule) with SessionDep semantics. A scheduler crash is an exception leaving "
+        "`_process_executor_events` (a real scheduler exits); the harness rolls back and carries on. "
+        "Lock waits: row-locking SELECTs slower than 5 ms.",
+        "",
+        concurrent_table(res),
+        "",
+        "## 4. Matrix cost",
+        "",
+        matrix_section(backend),
+        "",
+    ]
+    return "\n".join(out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default=os.environ.get("BACKEND", "sqlite"))
+    p.add_argument("--root", type=Path, default=HERE.parent, help="project root (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="smoke sizes: N=10,100, 1 repeat, 3 s concurrency")
+    p.add_argument("--only", default="purge,listener,concurrent")
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--variants", default="base,series")
+    p.add_argument("--out", type=Path, help="default: benchmarks/results/<backend>.md")
+    args = p.parse_args()
+    root = args.root.resolve()
+    # SIGTERM (nox/timeout/kill) must also reach the `finally` that puts the tree back at `checkout all`.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"terminated by signal {signum}"))
+    if not os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"):
+        print(
+            "warning: AIRFLOW__DATABASE__SQL_ALCHEMY_CONN not set: the worker uses a sqlite file",
+            file=sys.stderr,
+        )
+    names = series_names(root)
+    facts = machine_facts()
+    facts["root"] = str(root)
+    res: dict[str, dict] = {}
+    checkouts = {"base": "0", "series": "all"}
+    try:
+        with tempfile.TemporaryDirectory(prefix="airflow-bench.") as tmp:
+            for variant in args.variants.split(","):
+                print(tree_cmd(root, "checkout", checkouts[variant]), flush=True)
+                out = Path(tmp) / f"{variant}.json"
+                cmd = [
+                    sys.executable,
+                    str(HERE / "worker.py"),
+                    "--variant",
+                    variant,
+                    "--out",
+                    str(out),
+                    "--root",
+                    str(root),
+                    "--only",
+                    args.only,
+                ]
+                if args.quick:
+                    cmd.append("--quick")
+                if args.repeats:
+                    cmd += ["--repeats", str(args.repeats)]
+                proc = subprocess.run(cmd)
+                if proc.returncode or not out.is_file():
+                    raise SystemExit(f"worker for {variant} failed (exit {proc.returncode})")
+                res[variant] = json.loads(out.read_text())
+    finally:
+        print(tree_cmd(root, "checkout", "all"), flush=True)
+    facts["load_end"] = "%.2f %.2f %.2f" % os.getloadavg()
+    text = report(args.backend, facts, res, args, names)
+    dest = args.out or (HERE / "results" / f"{args.backend}{'-quick' if args.quick else ''}.md")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(text + "\n")
+    (dest.with_suffix(".json")).write_text(
+        json.dumps({"facts": facts, "results": res}, indent=1, default=str)
+    )
+    print(text)
+    print(f"\nwritten: {dest} (+ raw figures in {dest.with_suffix('.json').name})")
+    return 1 if any(r.get("errors") for r in res.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

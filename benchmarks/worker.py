@@ -1,0 +1,655 @@
+# Licensed under the Apache License, Version 2.0 (the "License"); see the Apache Airflow project.
+"""
+One benchmark process: measures the airflow-core tree that is checked out *now* (``run.py`` switches
+``airflow-core/`` before starting it) and writes raw figures as JSON.
+
+    python benchmarks/worker.py --variant base --out /tmp/base.json [--quick] [--only purge,listener,concurrent]
+
+The database named by ``AIRFLOW__DATABASE__SQL_ALCHEMY_CONN`` is reset with Airflow's own code first
+(every table of it is dropped: give it a database of its own). Not a test: nothing is asserted, the
+figures (and what was observed) are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _harness as H  # noqa: E402
+
+H.setup_env()
+
+from sqlalchemy import func, select, text  # noqa: E402
+
+from airflow import settings  # noqa: E402
+from airflow._shared.timezones import timezone as tz  # noqa: E402
+from airflow.listeners import hookimpl  # noqa: E402
+from airflow.listeners.listener import get_listener_manager  # noqa: E402
+from airflow.models.taskinstance import TaskInstance as TI  # noqa: E402
+from airflow.utils.session import create_session  # noqa: E402
+from airflow.utils.state import TaskInstanceState  # noqa: E402
+
+RUNNING = TaskInstanceState.RUNNING
+FAILED = TaskInstanceState.FAILED
+DIALECT = settings.engine.dialect.name  # sqlite | postgresql | mysql
+
+
+# =============================================================================================
+# Listener
+# =============================================================================================
+class SlowFailureListener:
+    """``on_task_instance_failed`` that sleeps ``latency`` seconds and records when it ran."""
+
+    def __init__(self) -> None:
+        self.latency = 0.0
+        self.calls: list[tuple[float, float, str]] = []
+
+    @hookimpl
+    def on_task_instance_failed(self, previous_state, task_instance, error):
+        start = time.perf_counter()
+        if self.latency:
+            time.sleep(self.latency)
+        self.calls.append((start, time.perf_counter(), str(getattr(task_instance, "task_id", ""))))
+
+
+LISTENER = SlowFailureListener()
+get_listener_manager().add_listener(LISTENER)
+
+
+# =============================================================================================
+# Lock observer (second connection)
+# =============================================================================================
+class LockObserver(threading.Thread):
+    """
+    Polls from a second connection whether the TI row (dag_id, task_id, run_id, map_index=-1) is
+    locked, every ``period`` s, and what state it shows (committed read, no lock):
+
+    * postgres / MySQL / MariaDB: ``SELECT ... FOR UPDATE NOWAIT`` on the row, then rollback;
+    * sqlite (no row locks): ``BEGIN IMMEDIATE`` with no busy timeout, i.e. whether another
+      connection holds the database's write lock, then rollback.
+
+    Samples are ``(perf_counter, locked, state)``.
+    """
+
+    def __init__(self, engine, key: tuple[str, str, str], period: float = 0.002) -> None:
+        super().__init__(daemon=True)
+        self.engine, self.key, self.period = engine, key, period
+        self.samples: list[tuple[float, bool, str | None]] = []
+        self.go = threading.Event()
+        self.stop = threading.Event()
+        self.error: str | None = None
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception as e:  # reported with the figures
+            self.error = f"{type(e).__name__}: {e}"
+
+    def _run(self) -> None:
+        dag_id, task_id, run_id = self.key
+        if DIALECT == "sqlite":
+            conn = sqlite3.connect(settings.engine.url.database, timeout=0, isolation_level=None)
+            state_sql = (
+                "SELECT state FROM task_instance WHERE dag_id=? AND task_id=? AND run_id=? AND map_index=-1"
+            )
+            params: tuple = (dag_id, task_id, run_id)
+        else:
+            conn = self.engine.raw_connection()
+            ph = "%s"
+            state_sql = (
+                f"SELECT state FROM task_instance WHERE dag_id={ph} AND task_id={ph} AND run_id={ph} "
+                "AND map_index=-1"
+            )
+            params = (dag_id, task_id, run_id)
+        lock_sql = state_sql + " FOR UPDATE NOWAIT"
+        if not self.go.wait(60):
+            return
+        try:
+            while not self.stop.is_set():
+                cur = conn.cursor()
+                t = time.perf_counter()
+                locked = False
+                try:
+                    if DIALECT == "sqlite":
+                        cur.execute("BEGIN IMMEDIATE")
+                        cur.execute("ROLLBACK")
+                    else:
+                        cur.execute(lock_sql, params)
+                        cur.fetchall()
+                except Exception as e:
+                    text_ = str(e).lower()
+                    if "lock" not in text_ and "could not obtain" not in text_:
+                        raise
+                    locked = True
+                finally:
+                    if DIALECT != "sqlite":
+                        conn.rollback()
+                cur.execute(state_sql, params)
+                row = cur.fetchone()
+                if DIALECT != "sqlite":
+                    conn.rollback()
+                cur.close()
+                self.samples.append((t, locked, row[0] if row else None))
+                time.sleep(self.period)
+        finally:
+            conn.close()
+
+
+def lock_interval(samples, started_locked_at: float | None) -> tuple[float | None, float | None]:
+    """(start, end) of the observed lock: first locked sample (or ``started_locked_at``) to the first
+    unlocked sample after the last locked one."""
+    locked = [t for t, lk, _ in samples if lk]
+    if not locked and started_locked_at is None:
+        return None, None
+    start = min([*locked, *([started_locked_at] if started_locked_at else [])])
+    last = max(locked) if locked else start
+    after = [t for t, lk, _ in samples if t > last and not lk]
+    return start, (after[0] if after else last)
+
+
+# =============================================================================================
+# Benchmark 1: purge scaling
+# =============================================================================================
+def bench_purge(sizes: list[int], repeats: dict[int, int]) -> list[dict]:
+    """One ``_find_and_purge_task_instances_without_heartbeats`` pass over N timed-out RUNNING TIs,
+    ``repeats[N]`` times."""
+    out = []
+    tasks_per_run = 10
+    for n in sizes:
+        H.clear_db()
+        runner = H.make_runner()
+        n_runs = math.ceil(n / tasks_per_run)
+        n_dags = min(5, n_runs)
+        with settings.NonScopedSession() as s:
+            made = 0
+            for d in range(n_dags):
+                runs_here = n_runs // n_dags + (1 if d < n_runs % n_dags else 0)
+                dag = H.write_dag(f"bench_purge_{d}", tasks_per_run, retries=1, session=s)
+                H.create_runs(dag, runs_here, session=s)
+                made += runs_here
+            # exactly N TIs: all tasks of the runs, minus the surplus of the last run left unscheduled
+            keys = s.execute(
+                select(TI.dag_id, TI.run_id, TI.task_id).order_by(TI.dag_id, TI.run_id, TI.task_id)
+            ).all()
+        chosen = keys[:n]
+        from sqlalchemy import tuple_
+
+        where = (tuple_(TI.dag_id, TI.run_id, TI.task_id).in_([tuple(k) for k in chosen]),)
+        timeout = runner._task_instance_heartbeat_timeout_secs
+        for rep in range(repeats[n]):
+            with settings.NonScopedSession() as s:
+                for table in ("callback", "log", "task_instance_history", "task_reschedule"):
+                    s.execute(text(f"DELETE FROM {table}"))
+                s.commit()
+                got = H.set_running(s, where, job_id=runner.job.id, heartbeat_age_s=timeout + 3600)
+            assert got == n, (got, n)
+            H.reset_executor(runner.executor)
+            settings.Session.remove()
+            with H.SqlCounter(settings.engine, threads={threading.get_ident()}) as c:
+                t0 = time.perf_counter()
+                runner._find_and_purge_task_instances_without_heartbeats()
+                dt = time.perf_counter() - t0
+            settings.Session.remove()
+            with settings.NonScopedSession() as s:
+                still_running = s.scalar(
+                    select(func.count()).select_from(TI).where(*where, TI.state == RUNNING)
+                )
+                cb_rows = s.scalar(text("SELECT count(*) FROM callback"))
+            # Follow-up: the FAILED executor events the pass produced (executor.change_state), handled as
+            # the scheduler loop's next `_process_executor_events` would. On the base this is where the
+            # TIs are actually failed (as "killed externally"); with the series they left RUNNING already.
+            events = len(runner.executor.event_buffer)
+            with H.SqlCounter(settings.engine, threads={threading.get_ident()}) as f:
+                t0 = time.perf_counter()
+                with create_session() as session:
+                    runner._process_executor_events(runner.executor, session)
+                f_dt = time.perf_counter() - t0
+            settings.Session.remove()
+            with settings.NonScopedSession() as s:
+                running_after = s.scalar(
+                    select(func.count()).select_from(TI).where(*where, TI.state == RUNNING)
+                )
+                cb_after = s.scalar(text("SELECT count(*) FROM callback"))
+            out.append(
+                {
+                    "n": n,
+                    "runs": n_runs,
+                    "dags": n_dags,
+                    "repeat": rep,
+                    "seconds": dt,
+                    "statements": c.statements,
+                    "commits": c.commits,
+                    "rollbacks": c.rollbacks,
+                    "lock_statements": c.lock_statements,
+                    "locked_rows": c.locked_rows,
+                    "lock_span_max_s": max((b - a for a, b in c.lock_spans), default=0.0),
+                    "callbacks_sent": len(runner.executor.callbacks_sent),
+                    "callback_rows": cb_rows,
+                    "state_changes": len(runner.executor.state_changes),
+                    "still_running": still_running,
+                    "followup_events": events,
+                    "followup_seconds": f_dt,
+                    "followup_statements": f.statements,
+                    "followup_commits": f.commits,
+                    "running_after_followup": running_after,
+                    "callback_rows_after_followup": cb_after,
+                }
+            )
+            print(
+                f"  purge N={n} rep={rep}: {dt * 1000:.0f} ms, {c.statements} stmts, {c.commits} commits, "
+                f"{c.locked_rows} rows locked, {still_running} still RUNNING; then {events} executor events: "
+                f"{f_dt * 1000:.0f} ms, {f.statements} stmts, {f.commits} commits, {running_after} RUNNING",
+                flush=True,
+            )
+    return out
+
+
+# =============================================================================================
+# Benchmark 2: failure handling vs listener latency
+# =============================================================================================
+def bench_listener(latencies: list[float], repeats: int, paths: list[str]) -> list[dict]:
+    """
+    How long the TI row stays locked / the transaction stays open while a failure is handled with a
+    slow ``on_task_instance_failed`` listener, seen from a second connection.
+
+    paths: ``handle_failure`` (``ti.handle_failure(error, session=...)`` on a RUNNING TI, as its
+    callers do) and ``executor_event`` (one FAILED executor event through
+    ``SchedulerJobRunner._process_executor_events`` inside ``create_session()``, as the loop runs it).
+    """
+    H.clear_db()
+    runner = H.make_runner()
+    observer_engine = H.make_engine()
+    with settings.NonScopedSession() as s:
+        dag = H.write_dag("bench_listener", 1, retries=1, session=s)
+        locks_rows = H.dialect_locks_rows(s)
+    out = []
+    run_no = 0
+    me = threading.get_ident()
+    for path in paths:
+        for latency in latencies:
+            for rep in range(repeats):
+                LISTENER.latency = latency
+                LISTENER.calls.clear()
+                H.reset_executor(runner.executor)
+                with settings.NonScopedSession() as s:
+                    (dr,) = H.create_runs(dag, 1, session=s, start=run_no)
+                    run_id = dr.run_id
+                    H.set_running(
+                        s,
+                        (TI.dag_id == dag.dag_id, TI.run_id == run_id),
+                        job_id=runner.job.id,
+                        heartbeat_age_s=0,
+                    )
+                run_no += 1
+                key = (dag.dag_id, "t000", run_id)
+                obs = LockObserver(observer_engine, key)
+                obs.start()
+                settings.Session.remove()
+                err = None
+                with H.SqlCounter(settings.engine, threads={me}) as c:
+                    if path == "executor_event" and locks_rows:
+                        c.on_lock = (
+                            obs.go.set
+                        )  # start polling once the scan's SKIP LOCKED select holds the row
+                    else:
+                        obs.go.set()
+                    t0 = time.perf_counter()
+                    try:
+                        if path == "handle_failure":
+                            session = settings.Session()
+                            ti = session.scalar(
+                                select(TI).where(
+                                    TI.dag_id == key[0], TI.task_id == key[1], TI.run_id == key[2]
+                                )
+                            )
+                            ti.task = dag.get_task(ti.task_id)
+                            ti.handle_failure("bench: simulated failure", session=session)
+                            session.commit()
+                        else:
+                            with settings.NonScopedSession() as s:
+                                ti = s.scalar(select(TI).where(TI.dag_id == key[0], TI.run_id == key[2]))
+                                runner.executor.event_buffer[ti.key] = (FAILED, None)
+                            with create_session() as session:
+                                runner._process_executor_events(runner.executor, session)
+                    except Exception as e:
+                        err = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    t1 = time.perf_counter()
+                    settings.Session.remove()
+                    time.sleep(0.02)  # let the observer take a sample after the end (measurement only)
+                    obs.stop.set()
+                    obs.go.set()
+                    obs.join(10)
+                with settings.NonScopedSession() as s:
+                    final = s.scalar(select(TI.state).where(TI.dag_id == key[0], TI.run_id == key[2]))
+                lk_start, lk_end = lock_interval(obs.samples, c.first_lock_at if c.on_lock else None)
+                l_start, l_end = (
+                    (LISTENER.calls[0][0], LISTENER.calls[0][1]) if LISTENER.calls else (None, None)
+                )
+                in_listener = [(lk, st) for t, lk, st in obs.samples if l_start and l_start <= t <= l_end]
+                txn_during_listener = bool(
+                    l_start and any(a <= l_start and b >= l_end for a, b in c.txn_spans)
+                )
+                out.append(
+                    {
+                        "path": path,
+                        "latency": latency,
+                        "repeat": rep,
+                        "seconds": t1 - t0,
+                        "lock_held_s": (lk_end - lk_start) if lk_start is not None else 0.0,
+                        "locked_while_listener": any(lk for lk, _ in in_listener),
+                        "states_seen_in_listener": sorted({str(st) for _, st in in_listener}),
+                        "txn_max_s": max((b - a for a, b in c.txn_spans), default=0.0),
+                        "txn_open_during_listener": txn_during_listener,
+                        "listener_calls": len(LISTENER.calls),
+                        "listener_after_commit": bool(
+                            l_start
+                            and c.txn_spans
+                            and all(b <= l_start or a >= l_end for a, b in c.txn_spans)
+                        ),
+                        "samples": len(obs.samples),
+                        "observer_error": obs.error,
+                        "final_state": str(final),
+                        "error": err,
+                        "commits": c.commits,
+                    }
+                )
+                r = out[-1]
+                print(
+                    f"  listener {path} {latency}s rep={rep}: call {r['seconds']:.3f}s, lock held "
+                    f"{r['lock_held_s'] * 1000:.0f} ms, txn max {r['txn_max_s'] * 1000:.0f} ms, "
+                    f"locked in listener={r['locked_while_listener']}, final={final}, err={err}",
+                    flush=True,
+                )
+    observer_engine.dispose()
+    LISTENER.latency = 0.0
+    return out
+
+
+# =============================================================================================
+# Benchmark 3: concurrent throughput
+# =============================================================================================
+def _call_api(api_factory, dag_bag, fn: str, ti_id, results: dict) -> None:
+    """One execution-API request through its real route function, with SessionDep's session
+    semantics (commit on success, rollback on exception; ``create_session(scoped=False)``)."""
+    from fastapi import HTTPException
+
+    from airflow.api_fastapi.execution_api.datamodels.taskinstance import (
+        TIHeartbeatInfo,
+        TIRescheduleStatePayload,
+    )
+    from airflow.api_fastapi.execution_api.routes import task_instances as routes
+
+    session = api_factory()
+    try:
+        if fn == "heartbeat":
+            routes.ti_heartbeat(ti_id, TIHeartbeatInfo(hostname="bench-worker", pid=4242), session=session)
+        else:
+            now = tz.utcnow()
+            payload = TIRescheduleStatePayload(
+                state="up_for_reschedule", reschedule_date=now + timedelta(minutes=5), end_date=now
+            )
+            routes.ti_update_state(ti_id, payload, session=session, dag_bag=dag_bag)
+        session.commit()
+        results[f"{fn}_ok"] = results.get(f"{fn}_ok", 0) + 1
+    except HTTPException as e:
+        session.rollback()
+        results[f"{fn}_{e.status_code}"] = results.get(f"{fn}_{e.status_code}", 0) + 1
+    except Exception as e:
+        session.rollback()
+        name = f"{fn}_error:{type(e).__name__}"
+        results[name] = results.get(name, 0) + 1
+        results.setdefault("api_error_examples", []).append(str(e).splitlines()[0][:200])
+    finally:
+        session.close()
+
+
+def bench_concurrent(duration: float, m: int, batch: int, latencies: list[float]) -> list[dict]:
+    """
+    Executor FAILED events for M RUNNING TIs (tasks with retries and on_failure/on_retry callbacks),
+    handled by ``_process_executor_events`` in batches of ``batch`` (one ``create_session()`` per
+    batch, as the scheduler loop), while a second connection (thread) sends, for each TI of the batch
+    being handled, an execution-API heartbeat then a reschedule (``ti_heartbeat`` / ``ti_update_state``
+    route functions). Rounds of M TIs repeat until ``duration`` s of scheduler time have passed.
+    An exception leaving ``_process_executor_events`` is what would stop a real scheduler: counted
+    as a crash (then rolled back and the run carries on).
+    """
+    from airflow.models.dagbag import DBDagBag
+
+    out = []
+    for latency in latencies:
+        H.clear_db()
+        runner = H.make_runner()
+        api_engine = H.make_engine()
+        api_factory = H.make_session_factory(api_engine)
+        dag_bag = DBDagBag()
+        LISTENER.latency = latency
+        with settings.NonScopedSession() as s:
+            dag = H.write_dag("bench_concurrent", 10, retries=1, callbacks=True, session=s)
+        me = threading.get_ident()
+        sched_time = 0.0
+        events = handled = crashes = 0
+        crash_types: dict[str, int] = {}
+        crash_examples: list[str] = []
+        api: dict = {}
+        outcomes: dict[str, int] = {}
+        rounds = 0
+        run_start = 0
+        api_counter = H.SqlCounter(api_engine)
+        sched_counter = H.SqlCounter(settings.engine, threads={me})
+        with api_counter, sched_counter:
+            warm_events = warm_handled = 0
+            while (sched_time < duration or rounds < 2) and rounds < 1000:
+                rounds += 1
+                if rounds == 2:  # round 1 warms caches (DAG bag, statement cache): not in the rate
+                    warm_events, warm_handled, sched_time = events, handled, 0.0
+                n_runs = math.ceil(m / 10)
+                H.reset_executor(runner.executor)
+                with settings.NonScopedSession() as s:
+                    runs = H.create_runs(dag, n_runs, session=s, start=run_start)
+                    run_ids = [r.run_id for r in runs]
+                    run_start += n_runs
+                    H.set_running(
+                        s,
+                        (TI.dag_id == dag.dag_id, TI.run_id.in_(run_ids)),
+                        job_id=runner.job.id,
+                        heartbeat_age_s=0,
+                    )
+                    tis = s.scalars(
+                        select(TI)
+                        .where(TI.dag_id == dag.dag_id, TI.run_id.in_(run_ids))
+                        .order_by(TI.run_id, TI.task_id)
+                    ).all()[:m]
+                    keys = [(ti.key, ti.id) for ti in tis]
+                batches = [keys[i : i + batch] for i in range(0, len(keys), batch)]
+                go = [threading.Event() for _ in batches]
+                done = threading.Event()
+
+                def api_side(
+                    batches=batches, go=go, done=done, factory=api_factory, bag=dag_bag, api=api
+                ) -> None:
+                    for i, b in enumerate(batches):
+                        if not go[i].wait(60) or done.is_set():
+                            return
+                        for _, ti_id in b:
+                            _call_api(factory, bag, "heartbeat", ti_id, api)
+                            _call_api(factory, bag, "reschedule", ti_id, api)
+
+                th = threading.Thread(target=api_side, daemon=True)
+                th.start()
+                t_round = time.perf_counter()
+                for i, b in enumerate(batches):
+                    for k, _ in b:
+                        runner.executor.event_buffer[k] = (FAILED, None)
+                    events += len(b)
+                    go[i].set()
+                    for _attempt in range(3):  # events skipped (locked) stay in the buffer: next loop
+                        try:
+                            with create_session() as session:
+                                runner._process_executor_events(runner.executor, session)
+                        except Exception as e:
+                            crashes += 1
+                            name = type(e).__name__
+                            crash_types[name] = crash_types.get(name, 0) + 1
+                            if len(crash_examples) < 3:
+                                crash_examples.append(str(e).splitlines()[0][:240])
+                            settings.Session.remove()
+                            # a real scheduler exits here; the events popped so far are lost
+                        if not runner.executor.event_buffer:
+                            break
+                    handled += len(b) - len([k for k, _ in b if k in runner.executor.event_buffer])
+                    runner.executor.event_buffer.clear()
+                sched_time += time.perf_counter() - t_round
+                done.set()
+                for e in go:
+                    e.set()
+                th.join(120)
+                settings.Session.remove()
+                with settings.NonScopedSession() as s:
+                    for (st,) in s.execute(
+                        select(TI.state).where(TI.dag_id == dag.dag_id, TI.run_id.in_(run_ids))
+                    ).all()[:m]:
+                        outcomes[str(st)] = outcomes.get(str(st), 0) + 1
+                    # A retry that overwrote a committed reschedule: UP_FOR_RETRY with a task_reschedule
+                    # row still on the TI's current id (the reschedule's effect silently lost).
+                    from airflow.models.taskreschedule import TaskReschedule
+
+                    lost = s.scalar(
+                        select(func.count())
+                        .select_from(TI)
+                        .where(
+                            TI.dag_id == dag.dag_id,
+                            TI.run_id.in_(run_ids),
+                            TI.state == TaskInstanceState.UP_FOR_RETRY,
+                            select(TaskReschedule.id).where(TaskReschedule.ti_id == TI.id).exists(),
+                        )
+                    )
+                    outcomes["retry_over_reschedule"] = outcomes.get("retry_over_reschedule", 0) + (lost or 0)
+        api_engine.dispose()
+        examples = api.pop("api_error_examples", [])
+        out.append(
+            {
+                "latency": latency,
+                "m": m,
+                "batch": batch,
+                "rounds": rounds,
+                "events": events,
+                "handled": handled,
+                "sched_seconds": sched_time,
+                "warmup_events": warm_events,
+                "events_per_s": (handled - warm_handled) / sched_time if sched_time else 0.0,
+                "crashes": crashes,
+                "crash_types": crash_types,
+                "crash_examples": crash_examples,
+                "api": api,
+                "api_error_examples": examples[:3],
+                "outcomes": outcomes,
+                "sched_lock_waits": sched_counter.lock_waits,
+                "sched_lock_wait_s": sched_counter.lock_wait_s,
+                "api_lock_waits": api_counter.lock_waits,
+                "api_lock_wait_s": api_counter.lock_wait_s,
+                "sched_commits": sched_counter.commits,
+                "sched_statements": sched_counter.statements,
+            }
+        )
+        r = out[-1]
+        print(
+            f"  concurrent listener={latency}s: {rounds} rounds, {handled}/{events} events in "
+            f"{sched_time:.1f}s = {r['events_per_s']:.1f}/s, crashes={crashes} {crash_types}, api={api}, "
+            f"outcomes={outcomes}",
+            flush=True,
+        )
+    LISTENER.latency = 0.0
+    return out
+
+
+# =============================================================================================
+def tree_facts(root: Path) -> dict:
+    tree = root / "airflow-core"
+
+    def git(*a):
+        return subprocess.run(["git", "-C", str(tree), *a], capture_output=True, text=True).stdout.strip()
+
+    return {
+        "head": git("rev-parse", "--short", "HEAD"),
+        "subject": git("log", "-1", "--format=%s"),
+        "patches_applied": len(git("rev-list", "base..HEAD").split()),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", required=True)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--root", type=Path, default=Path(os.path.abspath(__file__)).parents[1])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", default="purge,listener,concurrent")
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    random.seed(args.seed)
+    only = set(args.only.split(","))
+    import airflow
+
+    result: dict = {
+        "variant": args.variant,
+        "tree": tree_facts(args.root),
+        "airflow_file": str(Path(airflow.__file__).parent),
+        "airflow_version": airflow.__version__,
+    }
+    t0 = time.perf_counter()
+    H.reset_schema()
+    result["reset_seconds"] = time.perf_counter() - t0
+    with settings.engine.connect() as conn:
+        result["server_version"] = H.server_version(conn)
+    with settings.NonScopedSession() as s:
+        result["with_row_locks_locks"] = H.dialect_locks_rows(s)
+    print(
+        f"[{args.variant}] {result['tree']} airflow from {result['airflow_file']}; {result['server_version']}",
+        flush=True,
+    )
+    errors = {}
+    if "purge" in only:
+        try:
+            sizes = [10, 100] if args.quick else [10, 100, 500, 1000]
+            # N=1000 passes take minutes on 2 shared cores: 3 repeats there unless --repeats says otherwise
+            reps = {n: args.repeats or (2 if args.quick else 3 if n >= 1000 else 5) for n in sizes}
+            result["purge"] = bench_purge(sizes, reps)
+        except Exception:
+            errors["purge"] = traceback.format_exc()
+    if "listener" in only:
+        try:
+            lat = [0.0, 0.1, 1.0, 2.0] if not args.quick else [0.0, 0.1, 1.0]
+            result["listener"] = bench_listener(
+                lat, args.repeats or (1 if args.quick else 3), ["handle_failure", "executor_event"]
+            )
+        except Exception:
+            errors["listener"] = traceback.format_exc()
+    if "concurrent" in only:
+        try:
+            if args.quick:
+                result["concurrent"] = bench_concurrent(3.0, 20, 5, [0.0, 0.02])
+            else:
+                result["concurrent"] = bench_concurrent(20.0, 100, 10, [0.0, 0.02])
+        except Exception:
+            errors["concurrent"] = traceback.format_exc()
+    result["errors"] = errors
+    for k, v in errors.items():
+        print(f"[{args.variant}] benchmark {k} failed:\n{v}", file=sys.stderr, flush=True)
+    args.out.write_text(json.dumps(result, default=str, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
