@@ -287,6 +287,16 @@ def concurrent_table(res: dict[str, dict]) -> str:
     )
 
 
+def concurrent_notes(res: dict[str, dict]) -> str:
+    lines = []
+    for variant in ("base", "series"):
+        for r in res.get(variant, {}).get("concurrent", []):
+            for e in r.get("api_error_examples", []):
+                quoted = e.replace("`", "'")
+                lines.append(f"- API error ({variant}, listener {r['latency']:g} s): `{quoted}`")
+    return "\n".join(lines)
+
+
 def matrix_section(backend: str) -> str:
     f = HERE / "results" / f"matrix-{backend}.md"
     if f.is_file():
@@ -363,6 +373,8 @@ def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[st
         "",
         concurrent_table(res),
         "",
+        concurrent_notes(res),
+        "",
         "## 4. Matrix cost",
         "",
         matrix_section(backend),
@@ -380,7 +392,20 @@ def main() -> int:
     p.add_argument("--repeats", type=int)
     p.add_argument("--variants", default="base,series")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<backend>.md")
+    p.add_argument(
+        "--render", type=Path, metavar="JSON", help="only re-write the tables from a run's raw JSON"
+    )
     args = p.parse_args()
+    if args.render:
+        data = json.loads(args.render.read_text())
+        facts, res = data["facts"], data["results"]
+        args.quick = facts.get("quick", False)
+        names = facts.get("series") or series_names(Path(facts.get("root", HERE.parent)))
+        text = report(args.backend, facts, res, args, names)
+        dest = args.out or args.render.with_suffix(".md")
+        dest.write_text(text + "\n")
+        print(f"written: {dest}")
+        return 0
     root = args.root.resolve()
     # SIGTERM (nox/timeout/kill) must also reach the `finally` that puts the tree back at `checkout all`.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"terminated by signal {signum}"))
@@ -392,6 +417,8 @@ def main() -> int:
     names = series_names(root)
     facts = machine_facts()
     facts["root"] = str(root)
+    facts["series"] = names
+    facts["quick"] = args.quick
     res: dict[str, dict] = {}
     checkouts = {"base": "0", "series": "all"}
     try:

@@ -122,10 +122,14 @@ def throwaway(backend: str) -> Iterator[str]:
     """Start a throwaway server for ``backend`` ("postgres" or "mysql"); yield its DSN; stop and delete it."""
     starter = {"postgres": _postgres, "mysql": _mariadb}[backend]
     tmp = Path(tempfile.mkdtemp(prefix=f"airflow-series-{backend}."))
+    # SIGTERM (a CI time-out, `kill`) would end the process without unwinding: make it an exit that
+    # runs the clean-up below, so no server is left behind.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         with starter(tmp) as dsn:
             yield dsn
     finally:
+        signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
