@@ -1,0 +1,83 @@
+# Licensed under the Apache License, Version 2.0 (the "License"); see the Apache Airflow project.
+"""
+Breaker: a database error in the purge's new ``handle_failure`` call escapes the scheduler loop.
+
+``Fail-heartbeat-timed-out-tries-in-the-same-pass.patch`` makes the heartbeat-timeout purge run
+``ti.handle_failure`` (retry preparation, id rotation, fail_fast, commit) for each timed-out TI.
+``Keep-the-scheduler-running-when-one-executor-event-fails-in-the-DB.patch`` protects only
+``_process_executor_events`` against IntegrityError/OperationalError from failure handling; the
+purge has no such protection, so the error leaves ``_find_and_purge_task_instances_without_heartbeats``
+(called from the scheduler loop's EventScheduler timer: the scheduler exits) and the other
+timed-out TIs of the pass are not handled. On base + patches 1-4 the purge ran no such writes.
+
+The error is a real one from the database, injected exactly like the project's own survival test
+(``ForeignKeyViolationOnce``: a task_reschedule row for the old id inserted right before the
+UPDATE that rotates the id). Realistic triggers in production are deadlocks / lock-wait timeouts
+(e.g. fail_fast stopping tasks whose rows the execution API's fail-fast path holds).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import time_machine
+from sqlalchemy import select
+
+from airflow import settings
+from airflow._shared.timezones import timezone as tz
+from airflow.callbacks.callback_requests import TaskCallbackRequest
+from airflow.models.db_callback_request import DbCallbackRequest
+from airflow.providers.standard.operators.empty import EmptyOperator
+from airflow.utils.state import TaskInstanceState
+
+from tests.unit.jobs.test_scheduler_survives_failure_handling import ForeignKeyViolationOnce
+
+pytestmark = pytest.mark.db_test
+
+PATCH = "Contain-database-errors-of-the-heartbeat-timeout-purge-per-TI.patch"
+
+T0 = datetime(2026, 3, 2, 12, 0, 0, tzinfo=timezone.utc)
+
+
+@pytest.mark.proves(PATCH)
+def test_purge_survives_db_error_of_one_ti(dag_maker, session, scheduler_job_runner):
+    runner = scheduler_job_runner
+    with time_machine.travel(T0, tick=False) as clock:
+        with dag_maker("hb_db_error", session=session):
+            EmptyOperator(task_id="t1", retries=1)
+            EmptyOperator(task_id="t2", retries=1)
+        dag_run = dag_maker.create_dagrun()
+        ids = []
+        for ti in dag_run.get_task_instances(session=session):
+            ti.state = TaskInstanceState.RUNNING
+            ti.try_number = 1
+            ti.queued_by_job_id = runner.job.id
+            ti.hostname = "worker-1"
+            ti.start_date = tz.utcnow()
+            ti.last_heartbeat_at = tz.utcnow()
+            ids.append(ti.id)
+        session.commit()
+        session.close()
+        clock.shift(timedelta(seconds=runner._task_instance_heartbeat_timeout_secs + 60))
+
+        injected = ForeignKeyViolationOnce(ids)
+        try:
+            try:
+                runner._find_and_purge_task_instances_without_heartbeats()
+            except Exception as e:
+                pytest.fail(
+                    f"the heartbeat purge raised {type(e).__name__}: the scheduler loop would exit "
+                    f"(injected DB error fired: {injected.fired})"
+                )
+        finally:
+            injected.remove()
+
+    with settings.NonScopedSession() as s:
+        sent = [
+            r.ti.task_id
+            for r in (row.get_callback_request() for row in s.scalars(select(DbCallbackRequest)))
+            if isinstance(r, TaskCallbackRequest)
+        ]
+    # At least the TI whose handling did not fail must have been purged in this pass.
+    assert sent, "no timed-out TI was handled in this pass"
