@@ -346,7 +346,7 @@ def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[st
         "recording executor) over N RUNNING TIs whose heartbeat is older than the timeout (10 tasks per run, "
         "`retries=1`, up to 5 DAGs). SQL statements/commits counted with SQLAlchemy `before_cursor_execute`/"
         "`commit` events on the scheduler's engine; rows returned by row-locking SELECTs count a row again "
-        "each time it is re-locked (e.g. scan + per-TI revalidation = 2 per TI). 5 repeats (N=1000: 3).",
+        "each time it is re-locked (e.g. scan + per-TI revalidation = 2 per TI). 5 repeats by default (N=1000: 3); the last column gives the repeats of this run.",
         "",
         purge_table(res),
         "",
@@ -390,6 +390,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="smoke sizes: N=10,100, 1 repeat, 3 s concurrency")
     p.add_argument("--only", default="purge,listener,concurrent")
     p.add_argument("--repeats", type=int)
+    p.add_argument("--sizes", help="purge sizes, e.g. 10,100,500 (default 10,100,500,1000)")
     p.add_argument("--variants", default="base,series")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<backend>.md")
     p.add_argument(
@@ -442,6 +443,8 @@ def main() -> int:
                     cmd.append("--quick")
                 if args.repeats:
                     cmd += ["--repeats", str(args.repeats)]
+                if args.sizes:
+                    cmd += ["--sizes", args.sizes]
                 proc = subprocess.run(cmd)
                 if proc.returncode or not out.is_file():
                     raise SystemExit(f"worker for {variant} failed (exit {proc.returncode})")

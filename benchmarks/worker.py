@@ -596,6 +596,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", default="purge,listener,concurrent")
     p.add_argument("--repeats", type=int)
+    p.add_argument("--sizes", help="purge sizes, e.g. 10,100,500 (default 10,100,500,1000)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     random.seed(args.seed)
@@ -622,7 +623,8 @@ def main() -> int:
     errors = {}
     if "purge" in only:
         try:
-            sizes = [10, 100] if args.quick else [10, 100, 500, 1000]
+            sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else None
+            sizes = sizes or ([10, 100] if args.quick else [10, 100, 500, 1000])
             # N=1000 passes take minutes on 2 shared cores: 3 repeats there unless --repeats says otherwise
             reps = {n: args.repeats or (2 if args.quick else 3 if n >= 1000 else 5) for n in sizes}
             result["purge"] = bench_purge(sizes, reps)
