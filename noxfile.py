@@ -41,6 +41,8 @@ def prepare_tree() -> None:
     try:
         print(tree.prepare(ROOT))
     except tree.TreeError as e:
+        # Printed here: nox does not show the text of a CommandFailed.
+        print(f"tree.py prepare: {e}", file=sys.stderr)
         raise nox.command.CommandFailed(str(e)) from None
 
 
@@ -163,7 +165,7 @@ for _backend in ("postgres", "mysql"):  # not sqlite: LocalExecutor needs concur
 @nox.session
 def tooling(session: nox.Session) -> None:
     """Test the project's own tools (tree, verify-series, trailers, status, export); no database."""
-    session.install("pytest")
+    session.install("pytest", "pytest-asyncio")
     session.run("pytest", "tests/tooling", *session.posargs)
 
 

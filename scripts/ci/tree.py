@@ -43,6 +43,7 @@ GIT_ENV = {
     "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
 }
 STAMP = "series-stamp"
+STAMP_HEAD = "series-head"  # the commit patches/ was last built from or written back from
 
 
 class TreeError(Exception):
@@ -120,6 +121,11 @@ def pending_work(tree: Path) -> str | None:
     above = git(tree, "rev-list", "series..HEAD").stdout.split()
     if above:
         return f"it has {len(above)} commit(s) above the series not written back"
+    stamped = (
+        (tree / ".git" / STAMP_HEAD).read_text().strip() if (tree / ".git" / STAMP_HEAD).is_file() else None
+    )
+    if stamped and git(tree, "rev-parse", "series").stdout.strip() != stamped:
+        return "its branch series has commits that `refresh` has not written back to patches/"
     return None
 
 
@@ -181,6 +187,7 @@ def build(root: Path, cfg: dict[str, str], patches: list[Path], dest: Path) -> N
         if proc.returncode:
             raise TreeError(explain_am_failure(patch, proc.stdout + proc.stderr))
     (dest / ".git" / STAMP).write_text(stamp_of(cfg, patches))
+    (dest / ".git" / STAMP_HEAD).write_text(git(dest, "rev-parse", "HEAD").stdout)
 
 
 def prepare(root: Path) -> str:
@@ -261,6 +268,7 @@ def refresh(root: Path) -> str:
     (root / "patches" / "series").write_text(header + "".join(f"{n}\n" for n in names))
     git(tree, "checkout", "-q", "-B", "series", "HEAD")
     (tree / ".git" / STAMP).write_text(stamp_of(base_config(root), series(root)))
+    (tree / ".git" / STAMP_HEAD).write_text(git(tree, "rev-parse", "HEAD").stdout)
     return f"patches/ rewritten from airflow-core/: {len(names)} patch(es)"
 
 
