@@ -368,7 +368,7 @@ def test_sqlite_reschedule_between_failure_read_and_write_is_overwritten(
     )
 
 
-@pytest.mark.proves(P2, base_ok_on=("mysql",))
+@pytest.mark.proves(P1, base_ok_on=("mysql",))
 @pytest.mark.backend("postgres", "mysql")
 def test_clearing_running_sensor_while_reschedule_in_flight(dag_maker, session, api, pauses):
     """
