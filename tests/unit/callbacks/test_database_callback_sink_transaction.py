@@ -467,12 +467,6 @@ def test_legacy_executor_override_does_not_commit_scheduler_transaction(
     committed in the middle of the event (3.3.2 commits it there).
     """
     executor = scheduler_job_runner.executor
-    if session.get_bind().dialect.name == "sqlite":
-        pytest.skip(
-            "known limitation on sqlite (one writer): the per-event savepoint of the series holds sqlite's "
-            "write lock while a legacy executor's sink commits from a second connection, which then fails "
-            "with 'database is locked' and the event is retried on the next pass; see README"
-        )
     monkeypatch.setattr(executor, "send_callback", MethodType(_legacy_send_callback, executor))
     assert not _accepts_session(executor.send_callback)
     (ti,) = _make_running_tis(dag_maker, session, scheduler_job_runner)
