@@ -29,6 +29,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "ci"))
+import tree  # noqa: E402  (stdlib only: run.py never imports airflow)
+
 HERE = Path(os.path.abspath(__file__)).parent  # not resolve(): a symlinked benchmarks/ uses its project
 
 
@@ -44,12 +47,8 @@ def tree_cmd(root: Path, *args: str) -> str:
 
 
 def series_names(root: Path) -> list[str]:
-    names = []
-    for line in (root / "patches" / "series").read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            names.append(line)
-    return names
+    """Patch file names of ``root/patches/series``, parsed by the project's tree tool."""
+    return [p.name for p in tree.series(root)]
 
 
 def machine_facts() -> dict:
