@@ -598,6 +598,29 @@ def test_failure_listener_follows_callers_transaction(dag_maker, session, listen
     assert len(listener.calls) == (1 if outcome == "commit" else 0)
 
 
+@pytest.mark.proves(P3)
+@pytest.mark.parametrize("outcome", ["commit", "rollback"])
+def test_failure_listener_in_released_savepoint_follows_outer_transaction(
+    dag_maker, session, listener_manager, outcome
+):
+    """
+    Failure handled inside a savepoint (as the scheduler does per executor event) that is released:
+    the failure is durable only when the outer transaction commits, so the listeners run after
+    that commit, and not at all if the outer transaction rolls back. SQLAlchemy fires
+    ``after_commit`` on a savepoint release too; that alone must not dispatch them.
+    """
+    (ti,) = make_running_tis(dag_maker, session, dag_id=f"listener_savepoint_{outcome}")
+    listener = CallListener()
+    listener_manager.add_listener(listener)
+
+    savepoint = session.begin_nested()
+    TaskInstance.fetch_handle_failure_context(ti, "task failed (test)", session=session)
+    savepoint.commit()
+    assert listener.calls == [], "listener called when the savepoint was released"
+    getattr(session, outcome)()
+    assert len(listener.calls) == (1 if outcome == "commit" else 0)
+
+
 @pytest.mark.guard
 def test_failure_listener_arguments(dag_maker, session, listener_manager):
     """Listener arguments are unchanged: previous_state RUNNING, the task instance, the error."""
