@@ -38,6 +38,7 @@ P_ROW_LOCK = "Row-lock-the-heartbeat-timeout-scan.patch"
 P_REVALIDATE = "Revalidate-heartbeat-timeouts-under-the-row-lock.patch"
 P_CALLBACK_TYPE = "Derive-heartbeat-timeout-callback-type-from-the-task.patch"
 P_FAIL_SAME_PASS = "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch"
+P_RELEASE = "Release-heartbeat-timed-out-tries-ended-earlier-in-the-pass-from-the-executor.patch"
 
 # Frozen "now" when the task instances last heartbeat; the tests then move past the timeout.
 T0 = datetime(2026, 3, 2, 12, 0, 0, tzinfo=timezone.utc)
@@ -562,6 +563,39 @@ def test_fail_fast_stops_remaining_tasks_like_executor_event_path(
 
     assert by_event_states == {"t1": FAILED, "t2": TaskInstanceState.SKIPPED, "t3": FAILED}
     assert by_scan_states == by_event_states
+
+
+@pytest.mark.proves(P_RELEASE)
+def test_fail_fast_in_the_pass_releases_the_other_timed_out_try(
+    dag_maker, session, scheduler_job_runner, clock
+):
+    """
+    fail_fast DAG whose running ``t1`` and ``t3`` both timed out and are found by the same scan.
+    Failing the first one stops the other (FAILED by fail_fast, as on the executor-event path,
+    where fail_fast sends no callback for the tasks it stops). The purge then must not fail that
+    try again, but must still tell the executor, or the executor counts a try whose worker is
+    gone as running for ever (a lost parallelism slot). Before this patch revalidation skipped it
+    entirely; on the base nothing was failed in the pass.
+    """
+    runner = scheduler_job_runner
+    with dag_maker("hb_fail_fast_two", session=session, fail_fast=True):
+        t1 = EmptyOperator(task_id="t1", retries=0)
+        t2 = EmptyOperator(task_id="t2", retries=0)
+        EmptyOperator(task_id="t3", retries=0)
+        t1 >> t2
+    dr = dag_maker.create_dagrun()
+    keys = {t: start_ti(session, dr, runner, t).key for t in ("t1", "t3")}
+    runner.executor.running.update(keys.values())
+    session.close()
+    past_timeout(clock, runner)
+
+    purge(runner)
+
+    states = {t: committed_state(dr, t) for t in ("t1", "t2", "t3")}
+    assert states == {"t1": FAILED, "t2": TaskInstanceState.SKIPPED, "t3": FAILED}
+    assert len(task_callbacks("t1")) + len(task_callbacks("t3")) == 1
+    assert sorted(failed_keys(runner)) == sorted(keys.values())
+    assert not runner.executor.running & set(keys.values()), "a stopped try is still counted as running"
 
 
 @pytest.mark.backend("postgres", "mysql")
