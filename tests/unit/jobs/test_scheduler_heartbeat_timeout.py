@@ -147,6 +147,15 @@ def committed_state(dag_run, task_id: str, map_index: int = -1) -> TaskInstanceS
         )
 
 
+def fail_fast_dag(dag_maker, session, dag_id: str) -> None:
+    """A ``fail_fast`` DAG: ``t1 >> t2`` and an independent ``t3``, no retries."""
+    with dag_maker(dag_id, session=session, fail_fast=True):
+        t1 = EmptyOperator(task_id="t1", retries=0)
+        t2 = EmptyOperator(task_id="t2", retries=0)
+        EmptyOperator(task_id="t3", retries=0)
+        t1 >> t2
+
+
 def failed_keys(runner) -> list:
     return [key for key, state, _ in runner.executor.state_changes if state == FAILED]
 
@@ -538,11 +547,7 @@ def test_fail_fast_stops_remaining_tasks_like_executor_event_path(
     On the base the scan leaves all of them as they were.
     """
     runner = scheduler_job_runner
-    with dag_maker("hb_fail_fast", session=session, fail_fast=True):
-        t1 = EmptyOperator(task_id="t1", retries=0)
-        t2 = EmptyOperator(task_id="t2", retries=0)
-        EmptyOperator(task_id="t3", retries=0)
-        t1 >> t2
+    fail_fast_dag(dag_maker, session, "hb_fail_fast")
     by_scan = dag_maker.create_dagrun(run_id="by_scan")
     by_event = dag_maker.create_dagrun(run_id="by_event", logical_date=T0)
     start_ti(session, by_scan, runner, "t1")
@@ -578,11 +583,7 @@ def test_fail_fast_in_the_pass_releases_the_other_timed_out_try(
     entirely; on the base nothing was failed in the pass.
     """
     runner = scheduler_job_runner
-    with dag_maker("hb_fail_fast_two", session=session, fail_fast=True):
-        t1 = EmptyOperator(task_id="t1", retries=0)
-        t2 = EmptyOperator(task_id="t2", retries=0)
-        EmptyOperator(task_id="t3", retries=0)
-        t1 >> t2
+    fail_fast_dag(dag_maker, session, "hb_fail_fast_two")
     dr = dag_maker.create_dagrun()
     keys = {t: start_ti(session, dr, runner, t).key for t in ("t1", "t3")}
     runner.executor.running.update(keys.values())
