@@ -40,6 +40,7 @@ from airflow import settings
 from airflow.listeners import hookimpl
 from airflow.listeners.listener import get_listener_manager
 from airflow.models.taskinstance import TaskInstance, clear_task_instances
+from airflow.utils.session import create_session
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit.ti_race import (
@@ -619,6 +620,48 @@ def test_failure_listener_in_released_savepoint_follows_outer_transaction(
     assert listener.calls == [], "listener called when the savepoint was released"
     getattr(session, outcome)()
     assert len(listener.calls) == (1 if outcome == "commit" else 0)
+
+
+@pytest.mark.proves(P3)
+def test_failure_listener_dropped_when_transaction_is_closed(dag_maker, session, listener_manager):
+    """
+    ``close()`` ends the transaction with a database rollback but fires no rollback event: the
+    failure was never recorded, so the thread's (scoped, long-lived) session must not announce it
+    at its next, unrelated commit. (Found by review; reached from ``create_session()`` when a
+    ``KeyboardInterrupt``/``SystemExit`` ends the block, which then only closes the session.)
+    """
+    (ti,) = make_running_tis(dag_maker, session, dag_id="listener_closed")
+    key = _key(ti)
+    listener = CallListener()
+    listener_manager.add_listener(listener)
+
+    TaskInstance.fetch_handle_failure_context(ti, "task failed (test)", session=session)
+    session.close()
+    assert read_rows(*key).state == TaskInstanceState.RUNNING
+
+    session.execute(text("SELECT 1"))
+    session.commit()
+    assert listener.calls == [], "listener announced a failure that was never committed"
+
+
+@pytest.mark.proves(P3)
+def test_failure_listener_dropped_when_create_session_is_interrupted(dag_maker, session, listener_manager):
+    """``create_session()`` interrupted after the failure was queued: the next block announces nothing."""
+    (ti,) = make_running_tis(dag_maker, session, dag_id="listener_interrupted")
+    key = _key(ti)
+    listener = CallListener()
+    listener_manager.add_listener(listener)
+
+    with pytest.raises(KeyboardInterrupt):
+        with create_session() as s:
+            assert s is session  # the thread's scoped session
+            TaskInstance.fetch_handle_failure_context(ti, "task failed (test)", session=s)
+            raise KeyboardInterrupt
+    assert read_rows(*key).state == TaskInstanceState.RUNNING
+
+    with create_session() as s:
+        s.execute(text("SELECT 1"))
+    assert listener.calls == [], "listener announced a failure that was never committed"
 
 
 @pytest.mark.guard
