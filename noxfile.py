@@ -109,7 +109,12 @@ def backend_sessions(prefix: str, doc: str, command: tuple[str, ...]) -> None:
     for backend in DRIVERS:
 
         def run(session: nox.Session, backend: str = backend) -> None:
-            in_database(session, backend, *command, *session.posargs)
+            args = list(session.posargs)
+            if command == ("pytest",) and not any(Path(a.split("::")[0]).exists() for a in args):
+                # Options only (e.g. `-- --proves X.patch`): keep the suite's path, whose conftest
+                # defines --proves/--guards.
+                args.insert(0, "tests/unit")
+            in_database(session, backend, *command, *args)
 
         run.__doc__ = doc.format(backend=backend)
         nox.session(name=f"{prefix}-{backend}")(run)

@@ -204,8 +204,9 @@ def prepare(root: Path) -> str:
         why = pending_work(tree) if (tree / ".git").is_dir() else "it is not a tree made by this tool"
         if why:
             raise TreeError(
-                f"airflow-core/ not rebuilt: {why}. Run `nox -s refresh` (or commit/discard) first, "
-                "or move airflow-core/ away"
+                f"airflow-core/ not rebuilt: {why}. To keep the work: commit it in airflow-core/ "
+                "(one commit per patch), then `nox -s refresh`; to drop it: `rm -rf airflow-core` "
+                "(it is generated; the sdist is cached)"
             )
     work = Path(tempfile.mkdtemp(prefix="airflow-core.", dir=root))
     try:

@@ -38,7 +38,7 @@ P_ROW_LOCK = "Row-lock-the-heartbeat-timeout-scan.patch"
 P_REVALIDATE = "Revalidate-heartbeat-timeouts-under-the-row-lock.patch"
 P_CALLBACK_TYPE = "Derive-heartbeat-timeout-callback-type-from-the-task.patch"
 P_FAIL_SAME_PASS = "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch"
-P_RELEASE = "Release-heartbeat-timed-out-tries-ended-earlier-in-the-pass-from-the-executor.patch"
+P_RELEASE = "Release-heartbeat-timed-out-tries-already-ended-from-the-executor.patch"
 
 # Frozen "now" when the task instances last heartbeat; the tests then move past the timeout.
 T0 = datetime(2026, 3, 2, 12, 0, 0, tzinfo=timezone.utc)
