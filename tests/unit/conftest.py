@@ -160,7 +160,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "db_test: test uses the metadata database")
     config.addinivalue_line(
-        "markers", "backend(*names): run only when BACKEND is one of names (sqlite, postgres, mysql)"
+        "markers",
+        "backend(*names, reason=...): run only when BACKEND is one of names (sqlite, postgres, mysql); "
+        "reason says why not elsewhere",
     )
     config.addinivalue_line(
         "markers",
@@ -227,8 +229,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     f"expected names from {KNOWN_BACKENDS}"
                 )
             if BACKEND not in backend_marker.args:
+                why = backend_marker.kwargs.get("reason")
                 item.add_marker(
-                    pytest.mark.skip(reason=f"backend {BACKEND!r} not in {', '.join(backend_marker.args)}")
+                    pytest.mark.skip(
+                        reason=f"backend {BACKEND!r} not in {', '.join(backend_marker.args)}"
+                        + (f": {why}" if why else "")
+                    )
                 )
 
         everything = wanted is None and not guards
