@@ -188,6 +188,13 @@ def bench_purge(sizes: list[int], repeats: dict[int, int]) -> list[dict]:
 
         where = (tuple_(TI.dag_id, TI.run_id, TI.task_id).in_([tuple(k) for k in chosen]),)
         timeout = runner._task_instance_heartbeat_timeout_secs
+
+        def running_and_callback_rows(where=where) -> tuple[int, int]:
+            """(chosen TIs still RUNNING, rows in the callback table), committed."""
+            with settings.NonScopedSession() as s:
+                running = s.scalar(select(func.count()).select_from(TI).where(*where, TI.state == RUNNING))
+                return running, s.scalar(text("SELECT count(*) FROM callback"))
+
         for rep in range(repeats[n]):
             with settings.NonScopedSession() as s:
                 for table in ("callback", "log", "task_instance_history", "task_reschedule"):
@@ -202,11 +209,7 @@ def bench_purge(sizes: list[int], repeats: dict[int, int]) -> list[dict]:
                 runner._find_and_purge_task_instances_without_heartbeats()
                 dt = time.perf_counter() - t0
             settings.Session.remove()
-            with settings.NonScopedSession() as s:
-                still_running = s.scalar(
-                    select(func.count()).select_from(TI).where(*where, TI.state == RUNNING)
-                )
-                cb_rows = s.scalar(text("SELECT count(*) FROM callback"))
+            still_running, cb_rows = running_and_callback_rows()
             # Follow-up: the FAILED executor events the pass produced (executor.change_state), handled as
             # the scheduler loop's next `_process_executor_events` would. On the base this is where the
             # TIs are actually failed (as "killed externally"); with the series they left RUNNING already.
@@ -217,11 +220,7 @@ def bench_purge(sizes: list[int], repeats: dict[int, int]) -> list[dict]:
                     runner._process_executor_events(runner.executor, session)
                 f_dt = time.perf_counter() - t0
             settings.Session.remove()
-            with settings.NonScopedSession() as s:
-                running_after = s.scalar(
-                    select(func.count()).select_from(TI).where(*where, TI.state == RUNNING)
-                )
-                cb_after = s.scalar(text("SELECT count(*) FROM callback"))
+            running_after, cb_after = running_and_callback_rows()
             out.append(
                 {
                     "n": n,

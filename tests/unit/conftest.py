@@ -105,6 +105,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from airflow import settings
 from airflow.executors.base_executor import BaseExecutor
+from airflow.listeners.listener import get_listener_manager
 from sqlalchemy import delete, select, text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import sessionmaker
@@ -449,6 +450,15 @@ def other_session() -> Generator[Session, None, None]:
             session.rollback()
         session.close()
         engine.dispose()
+
+
+@pytest.fixture
+def listener_manager():
+    """Airflow's listener manager, emptied before and after the test (add listeners to it)."""
+    lm = get_listener_manager()
+    lm.clear()
+    yield lm
+    lm.clear()
 
 
 # ======================================================================================

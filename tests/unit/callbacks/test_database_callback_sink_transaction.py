@@ -509,7 +509,7 @@ class _FailedListener:
 @pytest.mark.db_test
 @pytest.mark.proves(PATCH)
 def test_reschedule_update_during_executor_event_failure_does_not_hit_fk_error(
-    scheduler_job_runner, dag_maker, session, other_session
+    scheduler_job_runner, dag_maker, session, other_session, listener_manager
 ):
     """
     Upstream #71923 via ``_process_executor_events`` (task with callbacks, slow listener).
@@ -539,7 +539,6 @@ def test_reschedule_update_during_executor_event_failure_does_not_hit_fk_error(
 
     from airflow.api_fastapi.execution_api.datamodels.taskinstance import TIRescheduleStatePayload
     from airflow.api_fastapi.execution_api.routes.task_instances import ti_update_state
-    from airflow.listeners.listener import get_listener_manager
     from airflow.models.dagbag import DBDagBag
 
     executor = scheduler_job_runner.executor
@@ -597,8 +596,7 @@ def test_reschedule_update_during_executor_event_failure_does_not_hit_fk_error(
                 api_done.wait(0.05)
         listener_seen["api"] = "finished while the listener blocked"
 
-    manager = get_listener_manager()
-    manager.add_listener(_FailedListener(blocking_listener))
+    listener_manager.add_listener(_FailedListener(blocking_listener))
     api_thread = threading.Thread(target=execution_api_reschedule, name="execution-api", daemon=True)
     api_thread.start()
     try:
@@ -612,7 +610,7 @@ def test_reschedule_update_during_executor_event_failure_does_not_hit_fk_error(
             api_go.set()
             api_done.wait(TIMEOUT)
     finally:
-        manager.clear()
+        listener_manager.clear()
         api_thread.join(TIMEOUT)
     assert not api_thread.is_alive()
 

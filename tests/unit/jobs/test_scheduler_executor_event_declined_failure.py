@@ -32,7 +32,6 @@ from airflow import settings
 from airflow._shared.timezones import timezone
 from airflow.callbacks.callback_requests import EmailRequest, TaskCallbackRequest
 from airflow.listeners import hookimpl
-from airflow.listeners.listener import get_listener_manager
 from airflow.models.db_callback_request import DbCallbackRequest
 from airflow.utils.state import TaskInstanceState
 
@@ -91,14 +90,6 @@ class WorkerFailsOtherTiListener:
         worker = Worker(lambda: api_fail(self.api, self.ids_by_task[self.other]), name="worker-api")
         worker.start()
         self.api_status = worker.join_or_fail()
-
-
-@pytest.fixture
-def listener_manager():
-    lm = get_listener_manager()
-    lm.clear()
-    yield lm
-    lm.clear()
 
 
 @pytest.mark.proves(PATCH)

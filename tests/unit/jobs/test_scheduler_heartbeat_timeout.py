@@ -100,6 +100,26 @@ def start_ti(
     return ti
 
 
+@pytest.fixture
+def timed_out_ti(dag_maker, session, scheduler_job_runner, clock):
+    """
+    Factory ``timed_out_ti(dag_id, **task_kwargs) -> (dag_run, TI id)``: one task ``t`` (an
+    EmptyOperator with ``task_kwargs``) running in a new DAG run, queued by the runner's job, and
+    the clock moved past its heartbeat timeout.
+    """
+
+    def make(dag_id: str, **task_kwargs) -> tuple:
+        with dag_maker(dag_id, session=session):
+            EmptyOperator(task_id="t", **task_kwargs)
+        dr = dag_maker.create_dagrun()
+        ti_id = start_ti(session, dr, scheduler_job_runner, "t").id
+        session.close()
+        past_timeout(clock, scheduler_job_runner)
+        return dr, ti_id
+
+    return make
+
+
 def purge(runner) -> None:
     """One pass of the heartbeat-timeout scan, exactly as the scheduler loop's timer runs it."""
     runner._find_and_purge_task_instances_without_heartbeats()
@@ -212,7 +232,7 @@ def wait_until_blocked_on_lock(observer, conn_id: int, gave_up: threading.Event)
 @pytest.mark.backend("postgres", "mysql")
 @pytest.mark.proves(P_ROW_LOCK)
 def test_scan_skips_ti_row_locked_by_worker_state_update(
-    dag_maker, session, other_session, scheduler_job_runner, clock
+    dag_maker, session, other_session, scheduler_job_runner, clock, timed_out_ti
 ):
     """
     Concurrent completion (a): a worker's state update holds the TI row lock (the execution API
@@ -223,12 +243,7 @@ def test_scan_skips_ti_row_locked_by_worker_state_update(
     """
     skip_unless_row_locks(session)
     runner = scheduler_job_runner
-    with dag_maker("hb_locked_by_worker", session=session):
-        EmptyOperator(task_id="t", on_failure_callback=on_failure)
-    dr = dag_maker.create_dagrun()
-    ti_id = start_ti(session, dr, runner, "t").id
-    session.close()
-    past_timeout(clock, runner)
+    dr, ti_id = timed_out_ti("hb_locked_by_worker", on_failure_callback=on_failure)
 
     locked, scanned, worker_done = threading.Event(), threading.Event(), threading.Event()
     worker_saw: list = []
@@ -277,7 +292,7 @@ def test_scan_skips_ti_row_locked_by_worker_state_update(
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.proves(P_REVALIDATE)
 def test_worker_success_committed_between_scan_and_failure_is_kept(
-    dag_maker, session, other_session, scheduler_job_runner, clock
+    dag_maker, session, other_session, scheduler_job_runner, clock, timed_out_ti
 ):
     """
     Concurrent completion (b), where with_row_locks takes no lock (SQLite, MariaDB): the worker
@@ -293,12 +308,7 @@ def test_worker_success_committed_between_scan_and_failure_is_kept(
             "commit between the scan and the failure (see the lock-wait test)"
         )
     runner = scheduler_job_runner
-    with dag_maker("hb_success_between", session=session):
-        EmptyOperator(task_id="t", on_failure_callback=on_failure, **EMAIL_KWARGS)
-    dr = dag_maker.create_dagrun()
-    ti_id = start_ti(session, dr, runner, "t").id
-    session.close()
-    past_timeout(clock, runner)
+    dr, ti_id = timed_out_ti("hb_success_between", on_failure_callback=on_failure, **EMAIL_KWARGS)
 
     scan = runner._find_task_instances_without_heartbeats
     found: list[str] = []
@@ -386,15 +396,12 @@ def test_callback_type_follows_task_retries_not_stale_max_tries(
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.proves(P_FAIL_SAME_PASS)
 @pytest.mark.parametrize("retries", [0, 2])
-def test_two_consecutive_scans_send_one_callback(dag_maker, session, scheduler_job_runner, clock, retries):
+def test_two_consecutive_scans_send_one_callback(
+    dag_maker, session, scheduler_job_runner, clock, retries, timed_out_ti
+):
     """Two scans of one timed-out try: one TaskCallbackRequest; the TI left RUNNING after the first."""
     runner = scheduler_job_runner
-    with dag_maker(f"hb_two_scans_{retries}", session=session):
-        EmptyOperator(task_id="t", retries=retries, on_failure_callback=on_failure)
-    dr = dag_maker.create_dagrun()
-    start_ti(session, dr, runner, "t")
-    session.close()
-    past_timeout(clock, runner)
+    dr, _ = timed_out_ti(f"hb_two_scans_{retries}", retries=retries, on_failure_callback=on_failure)
 
     purge(runner)
     state_after_first_scan = committed_state(dr, "t")
@@ -410,7 +417,7 @@ def test_two_consecutive_scans_send_one_callback(dag_maker, session, scheduler_j
 @pytest.mark.proves(P_FAIL_SAME_PASS)
 @pytest.mark.parametrize("retries", [0, 2])
 def test_scan_then_its_executor_event_send_one_callback(
-    dag_maker, session, scheduler_job_runner, clock, retries
+    dag_maker, session, scheduler_job_runner, clock, retries, timed_out_ti
 ):
     """
     The FAILED executor event the scan produced (``change_state(key, FAILED)``) is processed next:
@@ -419,12 +426,7 @@ def test_scan_then_its_executor_event_send_one_callback(
     (and the state change) follow.
     """
     runner = scheduler_job_runner
-    with dag_maker(f"hb_scan_event_{retries}", session=session):
-        EmptyOperator(task_id="t", retries=retries, on_failure_callback=on_failure)
-    dr = dag_maker.create_dagrun()
-    start_ti(session, dr, runner, "t")
-    session.close()
-    past_timeout(clock, runner)
+    dr, _ = timed_out_ti(f"hb_scan_event_{retries}", retries=retries, on_failure_callback=on_failure)
 
     purge(runner)
     assert committed_state(dr, "t") != RUNNING
@@ -494,19 +496,16 @@ def test_callback_email_and_state_agree(
 
 @pytest.mark.proves(P_FAIL_SAME_PASS)
 @pytest.mark.parametrize("retries", [0, 1])
-def test_email_requested_once_with_the_failure(dag_maker, session, scheduler_job_runner, clock, retries):
+def test_email_requested_once_with_the_failure(
+    dag_maker, session, scheduler_job_runner, clock, retries, timed_out_ti
+):
     """
     Email configured: exactly one EmailRequest of the right type for the try, written with the
     failure by the scan (the executor event for that try must not add another). On the base the
     scan requests none; only the later executor event does, if it is ever processed.
     """
     runner = scheduler_job_runner
-    with dag_maker(f"hb_email_{retries}", session=session):
-        EmptyOperator(task_id="t", retries=retries, **EMAIL_KWARGS)
-    dr = dag_maker.create_dagrun()
-    start_ti(session, dr, runner, "t")
-    session.close()
-    past_timeout(clock, runner)
+    dr, _ = timed_out_ti(f"hb_email_{retries}", retries=retries, **EMAIL_KWARGS)
     expected_type = "retry" if retries else "failure"
 
     purge(runner)
@@ -519,15 +518,10 @@ def test_email_requested_once_with_the_failure(dag_maker, session, scheduler_job
 
 
 @pytest.mark.guard
-def test_no_email_request_without_email(dag_maker, session, scheduler_job_runner, clock):
+def test_no_email_request_without_email(dag_maker, session, scheduler_job_runner, clock, timed_out_ti):
     """Guard (holds before and after; not a regression test): no email configured, none requested."""
     runner = scheduler_job_runner
-    with dag_maker("hb_no_email", session=session):
-        EmptyOperator(task_id="t", retries=0, on_failure_callback=on_failure)
-    dr = dag_maker.create_dagrun()
-    start_ti(session, dr, runner, "t")
-    session.close()
-    past_timeout(clock, runner)
+    dr, _ = timed_out_ti("hb_no_email", retries=0, on_failure_callback=on_failure)
 
     purge(runner)
     process_executor_events(runner)
@@ -602,7 +596,7 @@ def test_fail_fast_in_the_pass_releases_the_other_timed_out_try(
 @pytest.mark.backend("postgres", "mysql")
 @pytest.mark.proves(P_FAIL_SAME_PASS)
 def test_worker_state_update_waits_for_purge_and_finds_ti_failed(
-    dag_maker, session, other_session, scheduler_job_runner, clock
+    dag_maker, session, other_session, scheduler_job_runner, clock, timed_out_ti
 ):
     """
     Concurrent completion (b) where the scan row-locks the TI: the worker's state update starts
@@ -613,12 +607,7 @@ def test_worker_state_update_waits_for_purge_and_finds_ti_failed(
     """
     skip_unless_row_locks(session)
     runner = scheduler_job_runner
-    with dag_maker("hb_worker_waits", session=session):
-        EmptyOperator(task_id="t", retries=0, on_failure_callback=on_failure)
-    dr = dag_maker.create_dagrun()
-    ti_id = start_ti(session, dr, runner, "t").id
-    session.close()
-    past_timeout(clock, runner)
+    dr, ti_id = timed_out_ti("hb_worker_waits", retries=0, on_failure_callback=on_failure)
 
     worker_saw: list = []
     errors: list[BaseException] = []

@@ -182,6 +182,17 @@ def _mismatch_logs(session) -> int:
     return session.scalar(select(func.count()).select_from(Log).where(Log.event == "state mismatch"))
 
 
+# Every test task: one retry, failure/retry callbacks and emails (what a stale event must not trigger).
+_RETRY_AND_CALLBACKS = {
+    "retries": 1,
+    "on_failure_callback": _on_failure,
+    "on_retry_callback": _on_retry,
+    "email": "ops@example.invalid",
+    "email_on_failure": True,
+    "email_on_retry": True,
+}
+
+
 def _make_sensors(dag_maker, session, n: int = 1, dag_id: str = "stale_sensor"):
     with dag_maker(dag_id, session=session):
         for i in range(n):
@@ -190,12 +201,7 @@ def _make_sensors(dag_maker, session, n: int = 1, dag_id: str = "stale_sensor"):
                 python_callable=_never,
                 mode="reschedule",
                 poke_interval=2,
-                retries=1,
-                on_failure_callback=_on_failure,
-                on_retry_callback=_on_retry,
-                email="ops@example.invalid",
-                email_on_failure=True,
-                email_on_retry=True,
+                **_RETRY_AND_CALLBACKS,
             )
     dag_run = dag_maker.create_dagrun()
     return dag_run, sorted(dag_run.task_instances, key=lambda t: t.task_id)
@@ -208,12 +214,7 @@ def _make_deferrable(dag_maker, session, n: int = 1, dag_id: str = "stale_defer"
                 task_id=f"deferrable_{i}",
                 delta=timedelta(hours=1),
                 deferrable=True,
-                retries=1,
-                on_failure_callback=_on_failure,
-                on_retry_callback=_on_retry,
-                email="ops@example.invalid",
-                email_on_failure=True,
-                email_on_retry=True,
+                **_RETRY_AND_CALLBACKS,
             )
     dag_run = dag_maker.create_dagrun()
     return dag_run, sorted(dag_run.task_instances, key=lambda t: t.task_id)

@@ -24,7 +24,6 @@ from sqlalchemy import event, insert
 from airflow import settings
 from airflow._shared.timezones import timezone
 from airflow.listeners import hookimpl
-from airflow.listeners.listener import get_listener_manager
 from airflow.models.taskreschedule import TaskReschedule
 from airflow.utils.state import TaskInstanceState
 
@@ -47,13 +46,10 @@ class RecordingListener:
 
 
 @pytest.fixture
-def listener():
-    lm = get_listener_manager()
-    lm.clear()
+def listener(listener_manager):
     recording = RecordingListener()
-    lm.add_listener(recording)
-    yield recording
-    lm.clear()
+    listener_manager.add_listener(recording)
+    return recording
 
 
 class ForeignKeyViolationOnce:

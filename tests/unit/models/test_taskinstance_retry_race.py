@@ -38,7 +38,6 @@ from sqlalchemy import select, text
 
 from airflow import settings
 from airflow.listeners import hookimpl
-from airflow.listeners.listener import get_listener_manager
 from airflow.models.taskinstance import TaskInstance, clear_task_instances
 from airflow.utils.session import create_session
 from airflow.utils.state import TaskInstanceState
@@ -81,12 +80,23 @@ class CallListener:
             self.action()
 
 
-@pytest.fixture
-def listener_manager():
-    lm = get_listener_manager()
-    lm.clear()
-    yield lm
-    lm.clear()
+def reschedule_during_listener(api, ti_id) -> tuple[CallListener, list[Worker]]:
+    """
+    An ``on_task_instance_failed`` listener whose first call starts the execution API's reschedule
+    of ``ti_id`` and returns once that call has committed or waits for the TI row lock (bounded).
+    Returns the listener and the list the API call (a ``Worker``) is appended to.
+    """
+    calls: list[Worker] = []
+
+    def reschedule_while_listener_runs():
+        worker = api.reschedule_in_thread(ti_id)
+        calls.append(worker)
+        wait_until(
+            lambda: worker.done.is_set() or lock_waiters() > 0,
+            "the API's reschedule committed or waits for the TI row lock",
+        )
+
+    return CallListener(reschedule_while_listener_runs), calls
 
 
 @pytest.fixture(scope="module")
@@ -216,17 +226,7 @@ def test_reschedule_committed_while_failure_listener_runs(dag_maker, session, li
     """
     (ti,) = make_running_tis(dag_maker, session, dag_id="listener_race")
     old_id = ti.id
-    calls: list[Worker] = []
-
-    def reschedule_while_listener_runs():
-        worker = api.reschedule_in_thread(old_id)
-        calls.append(worker)
-        wait_until(
-            lambda: worker.done.is_set() or lock_waiters() > 0,
-            "the API's reschedule committed or waits for the TI row lock",
-        )
-
-    listener = CallListener(reschedule_while_listener_runs)
+    listener, calls = reschedule_during_listener(api, old_id)
     listener_manager.add_listener(listener)
 
     error = None
@@ -487,17 +487,7 @@ def test_executor_event_while_failure_listener_runs(
     runner = scheduler_job_runner
     ti = _running_ti_with_failed_event(dag_maker, session, runner, "executor_listener_race")
     old_id = ti.id
-    calls: list[Worker] = []
-
-    def reschedule_while_listener_runs():
-        worker = api.reschedule_in_thread(old_id)
-        calls.append(worker)
-        wait_until(
-            lambda: worker.done.is_set() or lock_waiters() > 0,
-            "the API's reschedule committed or waits for the TI row lock",
-        )
-
-    listener = CallListener(reschedule_while_listener_runs)
+    listener, calls = reschedule_during_listener(api, old_id)
     listener_manager.add_listener(listener)
     error = None
     try:
