@@ -3,8 +3,9 @@ Sessions of the patch series for apache-airflow-core (see README.md for the flow
 
 ``nox -s tests-sqlite|tests-postgres|tests-mysql`` materialises ``airflow-core/`` (sdist + series),
 installs it editable with the backend's driver and the test tools, gets a database (the DSN in
-``AIRFLOW__DATABASE__SQL_ALCHEMY_CONN`` when set, else a throwaway server) and runs pytest; posargs go
-to pytest.
+``AIRFLOW__DATABASE__SQL_ALCHEMY_CONN`` when ``BACKEND`` names the session's backend, as breeze does;
+else a throwaway server) and runs pytest; posargs go to pytest. The DSN reaches commands through the
+environment only (nox echoes argv). A session holds the tree lock (scripts/ci/tree.py) while it runs.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ DRIVERS = {
     "mysql": ["mysqlclient", "aiomysql"],
 }
 TEST_DEPS = ["pytest", "time-machine", "pytest-asyncio"]
+DSN_ENV = dbserver.DSN_ENV
+# A closed terminal (SIGHUP) or a `kill` (SIGTERM) unwinds like Ctrl-C: nox stops the running command,
+# throwaway servers are stopped, temporary folders removed.
+tree.exit_on_hangup()
 
 
 def prepare_tree() -> None:
@@ -61,19 +66,34 @@ def install(session: nox.Session, backend: str) -> None:
         link.symlink_to(ROOT / "airflow-core" / "src" / "airflow" / "config_templates")
 
 
+def given_dsn(session: nox.Session, backend: str) -> str | None:
+    """The DSN in the environment if ``BACKEND`` names this session's backend (breeze's rule), else None."""
+    given, named = os.environ.get(DSN_ENV), os.environ.get("BACKEND")
+    if not given:
+        return None
+    if named != backend:
+        why = "BACKEND is not set" if not named else f"BACKEND={named}"
+        session.log(f"{DSN_ENV} is ignored by {session.name} ({why}; set BACKEND={backend} to test on it)")
+        return None
+    scheme = given.split(":", 1)[0].split("+", 1)[0]
+    if {"postgresql": "postgres", "mariadb": "mysql"}.get(scheme, scheme) != backend:
+        session.error(f"BACKEND={backend} but {DSN_ENV} is a {scheme!r} URL ({dbserver.masked(given)})")
+    return given
+
+
 @contextlib.contextmanager
 def database(session: nox.Session, backend: str):
-    """Yield the DSN to test on: the one given like breeze does, or a throwaway server's."""
-    given = os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN")
-    if backend == "sqlite":
+    """Yield (DSN, extra environment): the DSN given like breeze does, or a throwaway database's."""
+    if given := given_dsn(session, backend):
+        session.log(f"testing on the given database {dbserver.masked(given)}")
+        yield given, {}
+    elif backend == "sqlite":
         with tempfile.TemporaryDirectory(prefix="airflow-series-sqlite.") as tmp:
-            yield given or f"sqlite:///{tmp}/airflow.db"
-    elif given and os.environ.get("BACKEND", backend) == backend:
-        yield given
+            yield f"sqlite:///{tmp}/airflow.db", {"DB_RESET": "true"}
     else:
         try:
             with dbserver.throwaway(backend) as dsn:
-                yield dsn
+                yield dsn, {"DB_RESET": "true"}  # ours: fine to reset
         except dbserver.ServerError as e:
             session.error(str(e))
 
@@ -82,26 +102,32 @@ def in_database(
     session: nox.Session,
     backend: str,
     *command: str,
-    dsn_flag: bool = False,
     prepare: bool = True,
     success_codes: tuple[int, ...] = (0,),
 ) -> None:
     """
     Prepare and install the tree, then run ``command`` with the backend's database configured.
 
-    ``dsn_flag`` also passes the DSN as ``--dsn``; ``prepare=False`` keeps the tree where it is.
+    The DSN is in the environment (``AIRFLOW__DATABASE__SQL_ALCHEMY_CONN``), never on the command line;
+    ``prepare=False`` keeps the tree where it is. Holds the tree lock throughout.
     """
-    if prepare:
-        prepare_tree()
-    install(session, backend)
-    series = tree.series(ROOT)
-    session.log(f"base: apache-airflow-core {tree.base_config(ROOT)['version']}; {len(series)} patch(es):")
-    for p in series:
-        session.log(f"  {p.name}")
-    with database(session, backend) as dsn, tempfile.TemporaryDirectory(prefix="airflow-home.") as home:
-        env = {"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": dsn, "BACKEND": backend, "AIRFLOW_HOME": home}
-        session.run("python", "scripts/ci/dbserver.py", "check", dsn, env=env)
-        session.run(*command, *(("--dsn", dsn) if dsn_flag else ()), env=env, success_codes=success_codes)
+    with tree.locked(ROOT, f"nox -s {session.name}"):
+        if prepare:
+            prepare_tree()
+        install(session, backend)
+        series = tree.series(ROOT)
+        session.log(
+            f"base: apache-airflow-core {tree.base_config(ROOT)['version']}; {len(series)} patch(es):"
+        )
+        for p in series:
+            session.log(f"  {p.name}")
+        with (
+            database(session, backend) as (dsn, extra),
+            tempfile.TemporaryDirectory(prefix="airflow-home.") as home,
+        ):
+            env = {DSN_ENV: dsn, "BACKEND": backend, "AIRFLOW_HOME": home, **extra}
+            session.run("python", "scripts/ci/dbserver.py", "check", env=env)
+            session.run(*command, env=env, success_codes=success_codes)
 
 
 def backend_sessions(prefix: str, doc: str, command: tuple[str, ...]) -> None:
@@ -145,15 +171,16 @@ def soak(session: nox.Session, backend: str) -> None:
         str(report),
     )
     if label == "series":
-        in_database(session, backend, *command, *args, dsn_flag=True)
+        in_database(session, backend, *command, *args)
         return
-    prepare_tree()
-    try:
-        session.log(tree.checkout(ROOT, "0"))
-        # The base is expected to show the races (exit 1: findings in the series' areas; 3: other exits).
-        in_database(session, backend, *command, *args, dsn_flag=True, prepare=False, success_codes=(0, 1, 3))
-    finally:
-        session.log(tree.checkout(ROOT, "all"))
+    with tree.locked(ROOT, f"nox -s {session.name} -- --base"):
+        prepare_tree()
+        try:
+            session.log(tree.checkout(ROOT, "0"))
+            # The base is expected to show the races (exit 1: findings in the series' areas; 3: other exits).
+            in_database(session, backend, *command, *args, prepare=False, success_codes=(0, 1, 3))
+        finally:
+            session.log(tree.checkout(ROOT, "all"))
 
 
 for _backend in ("postgres", "mysql"):  # not sqlite: LocalExecutor needs concurrent writers (run_soak.py)
@@ -170,7 +197,7 @@ for _backend in ("postgres", "mysql"):  # not sqlite: LocalExecutor needs concur
 @nox.session
 def tooling(session: nox.Session) -> None:
     """Test the project's own tools (tree, verify-series, trailers, status, export); no database."""
-    session.install("pytest", "pytest-asyncio")
+    session.install("pytest", "pytest-asyncio", "sqlalchemy", "psycopg2-binary")
     session.run("pytest", "tests/tooling", *session.posargs)
 
 
@@ -186,7 +213,8 @@ def refresh(session: nox.Session) -> None:
     try:
         session.log(tree.refresh(ROOT))
     except tree.TreeError as e:
-        session.error(str(e))
+        print(f"tree.py refresh: {e}", file=sys.stderr)
+        raise nox.command.CommandFailed(str(e)) from None
 
 
 # --- benchmarks (issue 6) ---
@@ -209,7 +237,14 @@ LINT_TESTS = "tests/tooling/test_lint_series.py"  # skipped by the test sessions
 def ensure_tree() -> None:
     """Build airflow-core/ unless it already holds this series; these sessions read git, never move it."""
     stamp = ROOT / "airflow-core" / ".git" / tree.STAMP
-    if not stamp.is_file() or stamp.read_text() != tree.stamp_of(tree.base_config(ROOT), tree.series(ROOT)):
+    try:
+        current = stamp.is_file() and stamp.read_text() == tree.stamp_of(
+            tree.base_config(ROOT), tree.series(ROOT)
+        )
+    except tree.TreeError as e:
+        print(f"tree.py: {e}", file=sys.stderr)
+        raise nox.command.CommandFailed(str(e)) from None
+    if not current:
         prepare_tree()
 
 

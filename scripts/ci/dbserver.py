@@ -4,10 +4,13 @@ Throwaway PostgreSQL / MariaDB servers for the test sessions, started from the l
 
 ``throwaway(backend)`` is a context manager yielding a SQLAlchemy DSN for a fresh ``airflow`` database
 on a server of its own (temporary data directory, free loopback port, its own socket), stopped and
-deleted on exit, including on failure or Ctrl-C. Used by the noxfile when no DSN is given in
-``AIRFLOW__DATABASE__SQL_ALCHEMY_CONN``. ``python dbserver.py check DSN`` (run with the session's
-Python, which has the drivers) waits at most 15 s for the DSN to answer and prints the server version;
-on failure it names host, port and database, never the password.
+deleted on exit, including on failure, Ctrl-C, SIGTERM or SIGHUP. Used by the noxfile when no DSN is
+given in ``AIRFLOW__DATABASE__SQL_ALCHEMY_CONN``. ``python dbserver.py check`` (run with the session's
+Python, which has the drivers) reads the DSN from ``AIRFLOW__DATABASE__SQL_ALCHEMY_CONN`` (never argv,
+which nox echoes), waits at most 15 s in all for it to answer and prints the server version. Errors that
+retrying cannot fix (bad URL, unknown dialect, missing driver, missing database, access denied) are
+reported at once by their cause; no message shows the password. Unless ``DB_RESET=true``, it refuses a
+database that holds Airflow data (rows in ``dag``, ``connection``, ...): the suite resets its schema.
 
 A missing binary is reported with the Debian package that provides it.
 """
@@ -16,13 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import math
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,8 +37,49 @@ PACKAGES = {"initdb": "postgresql", "pg_ctl": "postgresql", "mariadbd": "mariadb
             "mariadb-install-db": "mariadb-server", "mariadb-admin": "mariadb-client"}  # fmt: skip
 
 
+DSN_ENV = "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"
+# Tables whose rows are an operator's data (the suite empties every table of the schema it is given).
+AIRFLOW_DATA = ("dag", "dag_run", "task_instance", "connection", "variable", "serialized_dag", "xcom", "job")
+# Connection errors that retrying cannot fix (PostgreSQL, MySQL/MariaDB, sqlite messages).
+PERMANENT = re.compile(
+    r"does not exist|password authentication failed|no pg_hba\.conf entry|Access denied|Unknown database"
+    r"|unable to open database file",
+)
+
+
 class ServerError(Exception):
     """The server could not be started; the message names the binary, package or log."""
+
+
+class CheckError(Exception):
+    """The DSN cannot be used; the message names the cause and never the password."""
+
+
+def masked(dsn: str) -> str:
+    """``dsn`` with its password replaced by ``***`` (also when it is no valid URL, or without SQLAlchemy)."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(dsn).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy parses, or SQLAlchemy not installed (the nox process)
+        return re.sub(r"(//[^/@:]*:)[^/]*@", r"\1***@", dsn)
+
+
+def airflow_data(conn) -> list[str]:
+    """The tables of AIRFLOW_DATA in the database of ``conn`` that hold rows."""
+    from sqlalchemy import inspect, text
+
+    present = set(inspect(conn).get_table_names())
+    return [
+        t for t in AIRFLOW_DATA if t in present and conn.execute(text(f"SELECT 1 FROM {t} LIMIT 1")).first()
+    ]
+
+
+def refusal(tables: list[str]) -> str:
+    return (
+        f"the database holds Airflow data (rows in {', '.join(tables)}): refusing to reset it; DB_RESET=true "
+        "(breeze's --db-reset) allows it, or give an empty database"
+    )
 
 
 def _binary(name: str) -> str:
@@ -122,43 +169,108 @@ def throwaway(backend: str) -> Iterator[str]:
     """Start a throwaway server for ``backend`` ("postgres" or "mysql"); yield its DSN; stop and delete it."""
     starter = {"postgres": _postgres, "mysql": _mariadb}[backend]
     tmp = Path(tempfile.mkdtemp(prefix=f"airflow-series-{backend}."))
-    # SIGTERM (a CI time-out, `kill`) would end the process without unwinding: make it an exit that
-    # runs the clean-up below, so no server is left behind.
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # SIGTERM (a CI time-out, `kill`) and SIGHUP (the terminal closed) would end the process without
+    # unwinding: make them an interrupt that runs the clean-up below, so no server or folder is left.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         with starter(tmp) as dsn:
             yield dsn
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def check(dsn: str, timeout: float = 15.0) -> str:
-    """Connect to ``dsn`` within ``timeout`` seconds; return "<dialect> <server version>" or exit 1."""
-    from sqlalchemy import create_engine, text
+    """Connect to ``dsn`` within ``timeout`` seconds in all; return "<dialect> <server version>".
+
+    Raises CheckError at once for a cause retrying cannot fix, after the deadline for the others.
+    """
+    deadline = time.monotonic() + timeout
+    from sqlalchemy import create_engine, exc, text
     from sqlalchemy.engine import make_url
 
-    url = make_url(dsn)
+    try:
+        url = make_url(dsn)
+    except (exc.ArgumentError, ValueError) as e:
+        raise CheckError(
+            f"{DSN_ENV} is not a valid SQLAlchemy URL ({masked(dsn)}): {e}".replace(dsn, "***")
+        ) from None
+
+    def hide(message: str) -> str:
+        return message.replace(url.password, "***") if url.password else message
+
     where = f"host {url.host or 'localhost'}, port {url.port or 'default'}, database {url.database}"
-    args = {"connect_timeout": int(timeout)} if url.get_backend_name() in ("postgresql", "mysql") else {}
-    deadline, error = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        try:
+    try:
+        create_engine(url).dispose()
+    except exc.NoSuchModuleError:
+        dialect, _, driver = url.drivername.partition("+")
+        what = f"driver {driver!r} of dialect {dialect!r}" if driver else f"database dialect {dialect!r}"
+        raise CheckError(f"unknown {what} in {masked(dsn)}") from None
+    except ImportError as e:
+        raise CheckError(
+            f"driver {e.name} is not installed in {sys.executable} (for {masked(dsn)})"
+        ) from None
+    network = url.get_backend_name() in ("postgresql", "mysql")
+    last, outcome = ["no attempt finished"], {}
+
+    def attempts() -> None:
+        while (left := deadline - time.monotonic()) > 0:
+            # Each try gets the time left, not the whole timeout.
+            args = {"connect_timeout": max(1, math.ceil(left))} if network else {}
             engine = create_engine(url, connect_args=args)
-            with engine.connect() as conn:
-                if url.get_backend_name() == "sqlite":
-                    version = conn.execute(text("select sqlite_version()")).scalar()
-                else:
-                    version = conn.execute(text("select version()")).scalar()
-            engine.dispose()
-            return f"{url.get_backend_name()} {version}"
-        except Exception as e:
-            error = str(e).splitlines()[0]
-            time.sleep(0.5)  # retrying a connection, not synchronising tests
-    sys.exit(f"database not reachable within {timeout:.0f} s ({where}): {error}")
+            try:
+                with engine.connect() as conn:
+                    name = url.get_backend_name()
+                    version = conn.execute(
+                        text(f"select {'sqlite_version' if name == 'sqlite' else 'version'}()")
+                    )
+                    outcome["version"] = f"{name} {version.scalar()}"
+                    if (held := airflow_data(conn)) and os.environ.get("DB_RESET", "").lower() != "true":
+                        outcome["error"] = f"{where}: {refusal(held)}"
+                return
+            except exc.DBAPIError as e:
+                last[0] = hide(str(e.orig).strip().splitlines()[0] if e.orig else str(e))
+                if PERMANENT.search(last[0]):
+                    outcome["error"] = f"database not usable ({where}): {last[0]}"
+                    return
+            finally:
+                engine.dispose()
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))  # retrying a connection, not a test
+
+    # The deadline holds even where a driver's own timeout does not (a server that accepts, then hangs).
+    worker = threading.Thread(target=attempts, daemon=True)
+    worker.start()
+    worker.join(max(0.0, deadline - time.monotonic()))
+    if "error" in outcome:
+        raise CheckError(outcome["error"])
+    if "version" in outcome:
+        return outcome["version"]
+    raise CheckError(f"database not reachable within {timeout:.0f} s ({where}): {last[0]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Check the database in $" + DSN_ENV)
+    parser.add_argument("command", choices=["check"])
+    parser.add_argument("--timeout", type=float, default=15.0, help="seconds in all (default: %(default)s)")
+    args = parser.parse_args(argv)
+    dsn = os.environ.get(DSN_ENV)
+    if not dsn:
+        print(f"dbserver.py check: {DSN_ENV} is not set", file=sys.stderr)
+        return 1
+    try:
+        print(f"database server: {check(dsn, args.timeout)}")
+    except CheckError as e:
+        print(f"dbserver.py check: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "check":
-        sys.exit("usage: dbserver.py check DSN")
-    print(f"database server: {check(sys.argv[2])}")
+    sys.exit(main())

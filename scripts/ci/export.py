@@ -18,7 +18,9 @@ Export one patch of the series as what an upstream pull request needs.
   ``| tee LOG`` and given with ``--verify LOG``), and what to check before opening the PR.
 
 The patch commits are made in a throwaway clone of ``airflow-core/`` (run ``tree.py prepare`` first);
-the tree itself is not touched.
+the tree itself is not touched. The folder is built beside its target and moved into place only when
+complete; an existing ``--out`` is replaced only if it is an earlier export (it holds ``.series-export``),
+anything else is refused. ``--verify`` logs are checked before anything is written.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ UPSTREAM_FIXTURES = {
     "capfd", "request", "recwarn",
 }  # fmt: skip
 PROJECT_MARKERS = ("proves", "guard")
+MARK = ".series-export"  # in every export folder: only a folder holding it is ever replaced
 
 
 def marker_call(node: ast.expr) -> tuple[str, list[ast.expr]] | None:
@@ -179,6 +182,28 @@ def touched(patch: Path) -> set[str]:
 
 def export(root: Path, name: str, out: Path, logs: list[Path]) -> list[str]:
     """Write the export folder; return the notes printed for the user (also in PR.md)."""
+    for log in logs:
+        if not log.is_file():
+            raise tree.TreeError(f"--verify {log}: no such file")
+    if (out.exists() or out.is_symlink()) and not (out / MARK).is_file():
+        raise tree.TreeError(
+            f"{out} exists and is not an export made by export.py (no {MARK} in it): refusing to replace it; "
+            "give another --out or move it away"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        notes = write_export(root, name, staging / "new", logs)
+        (staging / "new" / MARK).write_text(f"export.py {name}\n")
+        if out.exists():
+            out.rename(staging / "old")
+        (staging / "new").rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return notes
+
+
+def write_export(root: Path, name: str, out: Path, logs: list[Path]) -> list[str]:
     patches = tree.series(root)
     by_name = {p.name: p for p in patches}
     if name not in by_name:
@@ -209,9 +234,7 @@ def export(root: Path, name: str, out: Path, logs: list[Path]) -> list[str]:
         for p in prerequisites:
             commit(repo, p)
         commit(repo, patch, {path: text for path, (text, _) in tests.items()})
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
+        out.mkdir()
         tree.git(repo, "format-patch", "-q", "--zero-commit", "--no-signature", "--src-prefix=a/airflow-core/",
                  "--dst-prefix=b/airflow-core/", "-o", str(out), "base..HEAD")  # fmt: skip
     for path, (text, _) in tests.items():
@@ -271,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     root = args.root.resolve()
     name = Path(args.patch).name
     out = args.out or root / "export" / name.removesuffix(".patch")
+    tree.exit_on_hangup()
     try:
         notes = export(root, name, out, args.verify)
     except tree.TreeError as e:
@@ -281,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"exported {name} to {out}:")
     for f in sorted(out.rglob("*")):
-        if f.is_file():
+        if f.is_file() and f.name != MARK:
             print(f"  {f.relative_to(out)}")
     for n in notes:
         print(f"note: {n}")

@@ -24,7 +24,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -36,7 +35,7 @@ APPLIES, CONTAINED = "applies", "already contained"
 
 def status_bases(root: Path) -> dict[str, str]:
     """Release -> sdist sha256 from ``status-bases`` (default: the pinned base)."""
-    cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["airflow-series"]
+    cfg = tree.read_config(root)
     return dict(cfg.get("status-bases") or {cfg["version"]: cfg["sdist-sha256"]})
 
 

@@ -156,7 +156,14 @@ def message_problems(msg: Message) -> list[str]:
 
 def check(patches: list[Path]) -> list[str]:
     """Return ``patches/NAME: problem`` lines for every patch."""
-    return [f"patches/{p.name}: {problem}" for p in patches for problem in message_problems(read_message(p))]
+    found = []
+    for p in patches:
+        try:
+            problems = [why] if (why := tree.patch_file_problem(p)) else message_problems(read_message(p))
+        except (OSError, subprocess.CalledProcessError) as e:
+            problems = [f"cannot be read as a patch: {(getattr(e, 'stderr', '') or str(e)).strip()}"]
+        found += [f"patches/{p.name}: {problem}" for problem in problems]
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,23 +13,36 @@ Commands (run from anywhere; ``--root`` is the project root, default: this file'
   is refused, never overwritten. On any error the previous ``airflow-core/`` is left exactly as it was.
 * ``checkout K`` put the tree at base + the first K patches (``all`` for the whole series); cheap, the
   editable install follows the working tree.
-* ``refresh``   rewrite ``patches/`` and ``patches/series`` from the commits ``base..HEAD``.
+* ``refresh``   rewrite ``patches/`` and ``patches/series`` from the commits ``base..HEAD``. HEAD must be
+  the tip of branch ``series`` or above it, with no rebase/am/cherry-pick/merge in progress; the comment
+  lines of ``patches/series`` are kept and only the files of the old series are replaced or removed.
 
-Errors exit with status 1 and a message naming the cause (patch, file, hunk; expected vs got sha256).
+A rebuild refuses to drop anything the tree holds beyond the series (uncommitted or untracked files,
+commits, other branches or tags, stashes) and a repository it did not make. Commands that move the tree
+take a lock (``.airflow-core.lock``): a second one waits up to ``SERIES_LOCK_TIMEOUT`` seconds (120), then
+refuses. SIGTERM/SIGHUP unwind like Ctrl-C: no temporary folder is left; one left by a killed run
+(SIGKILL) is removed by the next ``prepare``.
+
+Errors exit with status 1 and a one-line message naming the cause (patch, file, hunk; expected vs got
+sha256; the pyproject.toml key).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import tomllib
 from pathlib import Path
 
@@ -44,29 +57,139 @@ GIT_ENV = {
 }
 STAMP = "series-stamp"
 STAMP_HEAD = "series-head"  # the commit patches/ was last built from or written back from
+TEMP_MARK = ".made-by-tree-py"  # in our airflow-core.XXXX/ build folders: a killed run's is ours to remove
+LOCK_FILE = ".airflow-core.lock"
+LOCK_ENV = "AIRFLOW_SERIES_TREE_LOCK"  # set while this process (or a parent) holds the lock: root path
+KEYS = ("package", "version", "sdist-sha256", "status-bases")
+VERSION = re.compile(r"\d+(\.\d+)+((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?")  # as on PyPI: 3.3.2, 3.1.0rc1
+SERIES_HEADER = (
+    "# The patch series, applied in this order onto the pinned base (quilt format: one file per line).\n"
+)
 
 
 class TreeError(Exception):
     """A refusal with a message that names its cause."""
 
 
+def read_config(root: Path) -> dict:
+    """Return ``[tool.airflow-series]`` of ``root/pyproject.toml``, checked: known keys, a release number."""
+    try:
+        data = tomllib.loads((root / "pyproject.toml").read_text())
+    except FileNotFoundError:
+        raise TreeError(f"{root / 'pyproject.toml'} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise TreeError(f"pyproject.toml is not valid TOML: {e}") from None
+    cfg = data.get("tool", {}).get("airflow-series")
+    if not isinstance(cfg, dict):
+        raise TreeError("pyproject.toml has no [tool.airflow-series] table")
+    where = "pyproject.toml [tool.airflow-series]"
+    for key in cfg:
+        if key not in KEYS:
+            raise TreeError(f"{where}: unknown key `{key}` (known: {', '.join(KEYS)})")
+    for key in KEYS[:3]:
+        if not isinstance(cfg.get(key), str):
+            raise TreeError(f"{where}: `{key}` is missing or not a string")
+    for version, sha in {cfg["version"]: cfg["sdist-sha256"], **cfg.get("status-bases", {})}.items():
+        if not VERSION.fullmatch(version):
+            raise TreeError(f"{where}: version {version!r} is not a release number like '3.3.2'")
+        if not re.fullmatch(r"[0-9a-f]{64}", str(sha)):
+            raise TreeError(f"{where}: the sha256 of {version} is not 64 hex digits: {sha!r}")
+    return cfg
+
+
 def base_config(root: Path) -> dict[str, str]:
     """Return ``[tool.airflow-series]`` from ``root/pyproject.toml``: package, version, sdist-sha256."""
-    cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["airflow-series"]
-    return {k: cfg[k] for k in ("package", "version", "sdist-sha256")}
+    cfg = read_config(root)
+    return {k: cfg[k] for k in KEYS[:3]}
+
+
+def series_names(root: Path) -> list[tuple[int, str]]:
+    """(line number, name) of each patch line of ``patches/series`` (quilt format, ``#`` comments)."""
+    path = root / "patches" / "series"
+    if not path.is_file():
+        raise TreeError(f"{path} not found")
+    lines = path.read_text().splitlines()
+    return [
+        (n, line.split("#", 1)[0].strip()) for n, line in enumerate(lines, 1) if line.split("#", 1)[0].strip()
+    ]
+
+
+def patch_file_problem(patch: Path) -> str | None:
+    """Why ``patch`` cannot be a ``git format-patch`` file (empty, CRLF line ends), or None."""
+    data = patch.read_bytes()
+    if not data.strip():
+        return "the file is empty"
+    if data.split(b"\n", 1)[0].endswith(b"\r"):
+        return "CRLF line ends (saved on Windows?): convert it back, e.g. `sed -i 's/\\r$//' FILE`"
+    return None
 
 
 def series(root: Path) -> list[Path]:
-    """Return the patch files named in ``patches/series`` in order (quilt format, ``#`` comments)."""
-    names = []
-    for line in (root / "patches" / "series").read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            names.append(line)
-    missing = [n for n in names if not (root / "patches" / n).is_file()]
+    """Return the patch files named in ``patches/series`` in order; refuse duplicates, missing or bad files."""
+    seen: dict[str, int] = {}
+    for n, name in series_names(root):
+        if name in seen:
+            raise TreeError(f"patches/series: {name} is listed twice (lines {seen[name]} and {n})")
+        seen[name] = n
+    missing = [n for n in seen if not (root / "patches" / n).is_file()]
     if missing:
         raise TreeError(f"patches/series names {', '.join(missing)}, not found in patches/")
-    return [root / "patches" / n for n in names]
+    others = sorted((root / "patches").glob("*.patch"))
+    if not seen and others:
+        raise TreeError(
+            f"patches/series lists no patch, but patches/ holds {len(others)} .patch file(s): "
+            "restore it (`git checkout patches/series`) or delete the patches you mean to drop"
+        )
+    for name in seen:
+        if why := patch_file_problem(root / "patches" / name):
+            raise TreeError(f"patches/{name}: {why}")
+    return [root / "patches" / n for n in seen]
+
+
+@contextlib.contextmanager
+def locked(root: Path, purpose: str):
+    """Hold the tree lock of ``root`` (waiting up to SERIES_LOCK_TIMEOUT s); no-op if a parent holds it."""
+    root = root.resolve()
+    if os.environ.get(LOCK_ENV) == str(root):
+        yield
+        return
+    path = root / LOCK_FILE
+    with open(path, "a+") as f:
+        timeout, deadline = float(os.environ.get("SERIES_LOCK_TIMEOUT", "120")), None
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = path.read_text().strip() or "another process"
+                if deadline is None:
+                    deadline = time.monotonic() + timeout
+                    print(f"airflow-core/ is in use by {holder}; waiting up to {timeout:.0f} s "
+                          "(SERIES_LOCK_TIMEOUT)", file=sys.stderr, flush=True)  # fmt: skip
+                elif time.monotonic() > deadline:
+                    raise TreeError(
+                        f"airflow-core/ is in use by {holder}: not touched; run again when it has finished"
+                    ) from None
+                time.sleep(0.2)  # polling a lock, bounded by the deadline
+        f.truncate(0)
+        f.write(f"{purpose} (pid {os.getpid()})\n")
+        f.flush()
+        os.environ[LOCK_ENV] = str(root)
+        try:
+            yield
+        finally:
+            del os.environ[LOCK_ENV]
+            f.truncate(0)
+
+
+def exit_on_hangup() -> None:
+    """Make SIGTERM and SIGHUP unwind like Ctrl-C (KeyboardInterrupt), so ``finally`` clean-ups run."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
 
 
 def git(tree: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -129,6 +252,33 @@ def pending_work(tree: Path) -> str | None:
     return None
 
 
+def would_lose(tree: Path) -> list[str]:
+    """What deleting ``tree`` would lose, beyond the series it was built from (empty: nothing)."""
+    if not (tree / ".git" / STAMP).is_file():
+        return ["it was not made by this tool (no .git/series-stamp): move it away yourself"]
+    lost = [why] if (why := pending_work(tree)) else []
+    untracked = git(tree, "ls-files", "--others", "--exclude-standard").stdout.split()
+    if untracked:
+        lost.append(
+            f"untracked: {', '.join(untracked[:5])}"
+            + (f" and {len(untracked) - 5} more" if len(untracked) > 5 else "")
+        )
+    refs = git(tree, "for-each-ref", "--format=%(refname)", "refs/heads", "refs/tags").stdout.split()
+    branches = [
+        r.removeprefix("refs/heads/")
+        for r in refs
+        if r.startswith("refs/heads/") and r != "refs/heads/series"
+    ]
+    tags = [
+        r.removeprefix("refs/tags/") for r in refs if r.startswith("refs/tags/") and r != "refs/tags/base"
+    ]
+    lost += [f"branch: {', '.join(branches)}"] if branches else []
+    lost += [f"tag: {', '.join(tags)}"] if tags else []
+    stashes = len(git(tree, "stash", "list").stdout.splitlines())
+    lost += [f"stash: {stashes} entr{'y' if stashes == 1 else 'ies'}"] if stashes else []
+    return lost
+
+
 def explain_am_failure(patch: Path, output: str) -> str:
     """Turn ``git am`` output into "patch P: file F, hunk H" (the hunk whose old start line failed)."""
     m = re.search(r"error: patch failed: (\S+):(\d+)", output)
@@ -172,6 +322,8 @@ def build(root: Path, cfg: dict[str, str], patches: list[Path], dest: Path) -> N
     # the repository root is the directory above, shared with nothing else, so make a private one.
     git(dest, "init", "-q", "-b", "series")
     git(dest, "config", "core.autocrlf", "false")
+    # What running the tests writes into the tree is not work to keep (would_lose).
+    (dest / ".git" / "info" / "exclude").write_text("__pycache__/\n*.py[co]\n*.egg-info/\n.pytest_cache/\n")
     git(dest, "add", "-A")
     env_date = {"GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z"}
     subprocess.run(
@@ -194,29 +346,33 @@ def prepare(root: Path) -> str:
     cfg = base_config(root)
     patches = series(root)
     tree = root / "airflow-core"
-    if tree.exists():
-        stamp = tree / ".git" / STAMP
-        if stamp.is_file() and stamp.read_text() == stamp_of(cfg, patches):
-            why = pending_work(tree)
-            if why is None:
+    with locked(root, "tree.py prepare"):
+        for stale in root.glob(
+            "airflow-core.*"
+        ):  # left by a killed run (SIGKILL): ours, unused (we hold the lock)
+            if (stale / TEMP_MARK).is_file():
+                shutil.rmtree(stale, ignore_errors=True)
+        if tree.exists() or tree.is_symlink():
+            stamp = tree / ".git" / STAMP
+            if stamp.is_file() and stamp.read_text() == stamp_of(cfg, patches) and not pending_work(tree):
                 git(tree, "checkout", "-q", "series")
                 return f"airflow-core/ is up to date: {cfg['version']} + {len(patches)} patch(es)"
-        why = pending_work(tree) if (tree / ".git").is_dir() else "it is not a tree made by this tool"
-        if why:
-            raise TreeError(
-                f"airflow-core/ not rebuilt: {why}. To keep the work: commit it in airflow-core/ "
-                "(one commit per patch), then `nox -s refresh`; to drop it: `rm -rf airflow-core` "
-                "(it is generated; the sdist is cached)"
-            )
-    work = Path(tempfile.mkdtemp(prefix="airflow-core.", dir=root))
-    try:
-        build(root, cfg, patches, work / "airflow-core")
-        if tree.exists():
-            old = work / "old"
-            tree.rename(old)
-        (work / "airflow-core").rename(tree)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+            lost = would_lose(tree)
+            if lost:
+                raise TreeError(
+                    f"airflow-core/ not rebuilt, it holds what a rebuild would lose: {'; '.join(lost)}. To keep "
+                    "commits: `nox -s refresh`; to keep the rest, move it out of airflow-core/; to drop it all: "
+                    "`rm -rf airflow-core` (it is generated; the sdist is cached)"
+                )
+        work = Path(tempfile.mkdtemp(prefix="airflow-core.", dir=root))
+        try:
+            (work / TEMP_MARK).write_text("a build folder of scripts/ci/tree.py prepare\n")
+            build(root, cfg, patches, work / "airflow-core")
+            if tree.exists():
+                tree.rename(work / "old")
+            (work / "airflow-core").rename(tree)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     return f"airflow-core/ built: {cfg['package']} {cfg['version']} + {len(patches)} patch(es)"
 
 
@@ -227,21 +383,53 @@ def checkout(root: Path, k: str) -> str:
         k = str(n)
     if not k.isdigit() or int(k) > n:
         raise TreeError(f"checkout takes 0..{n} or 'all', got {k!r}")
-    why = pending_work(tree)
-    if why:
-        raise TreeError(f"airflow-core/ not moved: {why}")
-    target = "series" if int(k) == n else f"series~{n - int(k)}"
-    git(tree, "checkout", "-q", *([] if target == "series" else ["--detach"]), target)
+    with locked(root, f"tree.py checkout {k}"):
+        why = pending_work(tree)
+        if why:
+            raise TreeError(f"airflow-core/ not moved: {why}")
+        target = "series" if int(k) == n else f"series~{n - int(k)}"
+        git(tree, "checkout", "-q", *([] if target == "series" else ["--detach"]), target)
     return f"airflow-core/ at base + {k} of {n} patch(es)"
+
+
+IN_PROGRESS = {
+    "rebase-merge": ("a rebase", "rebase"),
+    "rebase-apply": ("a rebase or `git am`", "rebase"),
+    "CHERRY_PICK_HEAD": ("a cherry-pick", "cherry-pick"),
+    "MERGE_HEAD": ("a merge", "merge"),
+    "REVERT_HEAD": ("a revert", "revert"),
+}
 
 
 def refresh(root: Path) -> str:
     tree = root / "airflow-core"
+    if not (tree / ".git" / STAMP).is_file():
+        raise TreeError(
+            "airflow-core/ does not exist or was not made by this tool: `nox -s prepare` builds it"
+        )
+    with locked(root, "tree.py refresh"):
+        return _refresh(root, tree)
+
+
+def _refresh(root: Path, tree: Path) -> str:
+    for name, (what, cmd) in IN_PROGRESS.items():
+        if (tree / ".git" / name).exists():
+            raise TreeError(
+                f"{what} is in progress in airflow-core/: finish it (`git {cmd} --continue`) or abort it "
+                f"(`git {cmd} --abort`), then refresh"
+            )
     if git(tree, "status", "--porcelain", "--untracked-files=no").stdout.strip():
         raise TreeError("airflow-core/ has uncommitted changes: commit them first (one commit per patch)")
-    head, top = (git(tree, "rev-parse", ref).stdout.strip() for ref in ("HEAD", "series"))
-    if head != top and not git(tree, "merge-base", "--is-ancestor", "HEAD", "series", check=False).returncode:
-        raise TreeError("airflow-core/ is checked out below the top of the series: run `checkout all` first")
+    if git(tree, "merge-base", "--is-ancestor", "series", "HEAD", check=False).returncode:
+        raise TreeError(
+            "airflow-core/ HEAD is not on top of the full series (branch series): refresh would drop the patches "
+            "above it; `tree.py checkout all` and commit there, or rebase your commits onto series"
+        )
+    old = [name for _, name in series_names(root)]
+    if not git(tree, "rev-list", "base..HEAD").stdout.split() and old:
+        raise TreeError(
+            f"no commit above base in airflow-core/: refusing to write an empty series ({len(old)} patch(es) now)"
+        )
     out = Path(tempfile.mkdtemp(prefix="patches.", dir=root))
     try:
         git(
@@ -256,21 +444,47 @@ def refresh(root: Path) -> str:
             name = re.sub(r"^\d{4}-", "", f.name)
             if name in names:
                 raise TreeError(f"two patches would both be named {name}: give one a different subject")
+            if name not in old and (root / "patches" / name).exists():
+                raise TreeError(
+                    f"patches/{name} exists and is not in patches/series: move it away, then refresh"
+                )
             names.append(name)
-        for old in (root / "patches").glob("*.patch"):
-            old.unlink()
         for f, name in zip(sorted(out.glob("*.patch")), names):
-            shutil.move(f, root / "patches" / name)
+            os.replace(f, root / "patches" / name)
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    header = (
-        "# The patch series, applied in this order onto the pinned base (quilt format: one file per line).\n"
-    )
-    (root / "patches" / "series").write_text(header + "".join(f"{n}\n" for n in names))
+    for name in set(old) - set(names):  # only patches of the old series
+        (root / "patches" / name).unlink(missing_ok=True)
+    write_series(root / "patches" / "series", names)
     git(tree, "checkout", "-q", "-B", "series", "HEAD")
     (tree / ".git" / STAMP).write_text(stamp_of(base_config(root), series(root)))
     (tree / ".git" / STAMP_HEAD).write_text(git(tree, "rev-parse", "HEAD").stdout)
     return f"patches/ rewritten from airflow-core/: {len(names)} patch(es)"
+
+
+def write_series(path: Path, names: list[str]) -> None:
+    """Write ``names`` to ``path``, keeping its comment lines: those above a patch stay above it (or
+    above the patch at the same position if it was renamed); the others stay at the end."""
+    blocks, comments = [], []  # blocks: (comment lines above, name, its own line)
+    for line in path.read_text().splitlines() if path.is_file() else [SERIES_HEADER.strip()]:
+        name = line.split("#", 1)[0].strip()
+        if name:
+            blocks.append((comments, name, line))
+            comments = []
+        else:
+            comments.append(line)
+    if not blocks and names:  # no patch yet: the comments are the header, above the first patch
+        blocks, comments = [(comments, names[0], names[0])], []
+    unused = dict(enumerate(blocks))
+    lines = []
+    for i, name in enumerate(names):
+        match = next((j for j, b in unused.items() if b[1] == name), None)
+        if match is None and i in unused and unused[i][1] not in names:
+            match = i
+        above, old, line = unused.pop(match) if match is not None else ([], name, name)
+        lines += [*above, line.replace(old, name)]
+    lines += [c for _, (above, _, _) in sorted(unused.items()) for c in above] + comments
+    path.write_text("".join(f"{line}\n" for line in lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     co.add_argument("k", help="number of patches, or 'all'")
     args = parser.parse_args(argv)
     root = args.root.resolve()
+    exit_on_hangup()
     try:
         if args.command == "prepare":
             print(prepare(root))
@@ -296,6 +511,12 @@ def main(argv: list[str] | None = None) -> int:
     except subprocess.CalledProcessError as e:
         print(f"tree.py {args.command}: `{' '.join(e.cmd)}` failed:\n{e.stdout}{e.stderr}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:
+        print(
+            f"tree.py {args.command}: interrupted ({e or 'SIGINT'}); temporary folders removed",
+            file=sys.stderr,
+        )
+        return 130
     return 0
 
 

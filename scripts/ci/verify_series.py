@@ -21,6 +21,7 @@ afterwards, also on error or Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -120,7 +121,8 @@ def verify(pytest_args: list[str]) -> int:
     patches = [p.name for p in tree.series(ROOT)]
     backend = os.environ.get("BACKEND", "sqlite")
     rows = []
-    try:
+    with tree.locked(ROOT, "verify_series.py"), contextlib.ExitStack() as back:
+        back.callback(lambda: print(tree.checkout(ROOT, "all")))
         for k, patch in enumerate(patches, 1):
             print(f"[{k}/{len(patches)}] {patch}", flush=True)
             tree.checkout(ROOT, str(k - 1))
@@ -133,8 +135,6 @@ def verify(pytest_args: list[str]) -> int:
             after = judge_passing(own, "with its patch")
             suite = judge_passing(results, f"at base + {k} patches")
             rows.append((patch, before, after, suite))
-    finally:
-        print(tree.checkout(ROOT, "all"))
     width = max(len(p) for p in patches) if patches else 5
     print(f"\nverify-series on {backend}\n")
     print(f"| {'patch':<{width}} | fails before | passes after | suite green at this step |")

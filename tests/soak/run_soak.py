@@ -22,8 +22,9 @@ Chaos soak with real Airflow processes (issue #10).
 Run with the Python of a virtualenv in which the tree under test (editable ``airflow-core``, base or
 series) is installed; the Airflow CLI used is ``Path(sys.executable).parent / "airflow"``::
 
-    python tests/soak/run_soak.py --dsn postgresql+psycopg2://postgres@127.0.0.1:5432/soak \\
-        --backend postgres --duration 360 --seed 42 --report soak-postgres-series --label series
+    AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=postgresql+psycopg2://postgres@127.0.0.1:5432/soak \\
+        python tests/soak/run_soak.py --backend postgres --duration 360 --seed 42 \\
+        --report soak-postgres-series --label series
 
 What it does:
 
@@ -1168,7 +1169,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--dsn", required=True, help="SQLAlchemy URL of a database the soak may WIPE")
     p.add_argument("--backend", required=True, choices=["postgres", "mysql", "sqlite"])
     p.add_argument(
         "--duration", type=float, default=360, help="seconds the components run under chaos (default 360)"
@@ -1211,7 +1211,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--home", help="AIRFLOW_HOME to use (default: a new temp dir)")
     p.add_argument("--keep-home", action="store_true", help="keep the AIRFLOW_HOME (always kept on failure)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # The DSN comes from the environment, never argv (nox echoes argv, ps shows it; it may hold a password).
+    args.dsn = os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN") or p.error(
+        "set AIRFLOW__DATABASE__SQL_ALCHEMY_CONN to the SQLAlchemy URL of a database the soak may WIPE"
+    )
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

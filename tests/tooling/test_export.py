@@ -191,3 +191,43 @@ def test_unknown_patch_is_refused(project: Path):
     cmd = [sys.executable, str(ROOT / "scripts" / "ci" / "export.py"), "--root", str(project), "nope.patch"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 1 and "nope.patch is not in patches/series" in proc.stderr
+
+
+# --- issue 15, case 1: never delete what the tool did not create; nothing half-written ----------------
+
+
+def run_export(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, str(ROOT / "scripts" / "ci" / "export.py"), "--root", str(project), *args]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("where", ["folder", "project"])
+def test_out_that_is_not_an_export_is_refused_and_kept(project: Path, tmp_path: Path, where: str):
+    out = tmp_path / "mine" if where == "folder" else project
+    out.mkdir(exist_ok=True)
+    (out / "keep.txt").write_text("my work\n")
+    before = sorted(p.name for p in out.iterdir())
+    proc = run_export(project, FIRST, "--out", str(out))
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"export.py: {out} exists and is not an export made by export.py")
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert (out / "keep.txt").read_text() == "my work\n"
+    (out / "keep.txt").unlink()
+
+
+def test_missing_verify_log_changes_nothing(project: Path):
+    out = export(project, FIRST, "--verify", str(project / "verify-postgres.log"))
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    proc = run_export(project, FIRST, "--verify", str(project / "no-such.log"))
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"export.py: --verify {project / 'no-such.log'}: no such file"
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp folder left beside it
+
+
+def test_reexport_replaces_its_own_export(project: Path):
+    out = export(project, FIRST)
+    (out / "stale.patch").write_text("from an earlier export\n")
+    (out / "stale.patch").rename(out / "0009-stale.patch")
+    out = export(project, FIRST)
+    assert sorted(p.name for p in out.glob("*.patch")) == [f"0001-{FIRST}"]

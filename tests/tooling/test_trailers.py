@@ -139,3 +139,22 @@ def test_cli_exits_1_and_names_each_bad_patch(tmp_path: Path):
     assert "patches/bad.patch: missing trailer `Bug:`" in proc.stdout
     assert "good.patch" not in proc.stdout.replace("2 patch(es)", "")
     assert "trailers: 2 patch(es) checked, 1 problem(s)" in proc.stdout
+
+
+def test_empty_patch_is_named(tmp_path: Path):
+    empty = tmp_path / "empty.patch"
+    empty.write_text("")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/ci/trailers.py"), str(empty)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "patches/empty.patch: the file is empty" in proc.stdout
+
+
+def test_crlf_patch_is_named(tmp_path: Path):
+    good = write_patch(tmp_path, "Fix the thing", "Why.\n\ncloses: #42553\n\n" + GOOD_TRAILERS)
+    crlf = tmp_path / "crlf.patch"
+    crlf.write_bytes(good.read_bytes().replace(b"\n", b"\r\n"))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/ci/trailers.py"), str(crlf)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "patches/crlf.patch: CRLF line ends" in proc.stdout

@@ -393,14 +393,26 @@ def _initialize_db() -> Generator[None, None, None]:
     """
     Create the schema once with Airflow's own code (``airflow db reset``).
 
+    A database holding Airflow data (rows in ``dag``, ``connection``, ...) is refused unless ``DB_RESET=true``
+    (breeze's ``--db-reset``): every test empties all tables. The nox sessions set it for their throwaway
+    databases.
+
     A database already stamped at the migration head (a previous run, e.g. the steps of verify-series:
     the series changes no schema) is kept; ``clear_db`` empties it around every test.
     """
+    import sys
+
     from airflow.models import import_all_models
     from airflow.utils import db
 
+    sys.path.insert(0, str(PROJECT_ROOT / "scripts" / "ci"))
+    import dbserver  # the nox sessions run its check first; this covers pytest run directly
+
     import_all_models()
     with settings.NonScopedSession() as s:
+        held = dbserver.airflow_data(s.connection())
+        if held and os.environ.get("DB_RESET", "").lower() != "true":
+            pytest.exit(dbserver.refusal(held), returncode=4)
         stamped, heads = schema_revisions(s)
     if stamped is None or (stamped,) != heads:
         db.resetdb()

@@ -1,0 +1,109 @@
+"""The nox sessions with a DSN given like breeze does, and the tree lock (issue 15, cases 4, 5, 9).
+
+Runs real `nox` sessions of this project (its airflow-core/ and .nox/ venvs, built on first use) against a
+throwaway PostgreSQL holding Airflow's schema and one row of the operator's data. Slow (about a minute).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts" / "ci"))
+import dbserver  # noqa: E402
+
+SECRET = "s3cret-pw"
+ONE_TEST = "tests/unit/jobs/test_scheduler_callback_sink_signature.py"
+NOX = shutil.which("nox")
+pytestmark = pytest.mark.skipif(not NOX, reason="needs nox on PATH")
+
+
+def nox(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if k not in ("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "BACKEND",
+                                                               "DB_RESET", "VIRTUAL_ENV")}  # fmt: skip
+    return subprocess.run([NOX, "-f", str(ROOT / "noxfile.py"), *args], cwd=ROOT, env={**clean, **env},
+                          capture_output=True, text=True, timeout=1200)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def given():
+    """A server the user "gives" us: Airflow's schema (made by the suite) and the operator's connection row."""
+    if not any(Path("/usr/lib/postgresql").glob("*/bin/initdb")):
+        pytest.skip("needs the postgresql package")
+    from sqlalchemy import create_engine, text
+
+    with dbserver.throwaway("postgres") as dsn:
+        dsn = dsn.replace("postgres@", f"postgres:{SECRET}@")
+        proc = nox(
+            "-s",
+            "tests-postgres",
+            "--",
+            ONE_TEST,
+            AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=dsn,
+            BACKEND="postgres",
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr  # an empty database is fine to use
+        engine = create_engine(dsn)
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO connection (conn_id, conn_type, is_encrypted, is_extra_encrypted) "
+                    "VALUES ('prod_db', 'postgres', false, false)"
+                )
+            )
+        yield dsn, engine, proc.stdout + proc.stderr
+        engine.dispose()
+
+
+def connections(engine) -> list[str]:
+    from sqlalchemy import text
+
+    with engine.connect() as conn:
+        return list(conn.execute(text("SELECT conn_id FROM connection")).scalars())
+
+
+def test_database_holding_airflow_data_is_refused_and_the_password_never_printed(given):
+    dsn, engine, first_run = given
+    proc = nox(
+        "-s", "tests-postgres", "--", ONE_TEST, AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=dsn, BACKEND="postgres"
+    )
+    out = proc.stdout + proc.stderr
+    assert connections(engine) == ["prod_db"]
+    assert proc.returncode != 0
+    assert "holds Airflow data (rows in connection): refusing to reset it; DB_RESET=true" in out, out
+    assert SECRET not in first_run + out
+
+
+@pytest.mark.parametrize("backend", [None, "postgres"])
+def test_dsn_is_ignored_unless_backend_names_the_session(given, backend):
+    dsn, engine, _ = given
+    env = {"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": dsn, **({"BACKEND": backend} if backend else {})}
+    proc = nox("-s", "tests-sqlite", "--", ONE_TEST, **env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    why = "BACKEND is not set" if backend is None else "BACKEND=postgres"
+    assert f"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN is ignored by tests-sqlite ({why};" in out, out
+    assert SECRET not in out
+    assert connections(engine) == ["prod_db"]
+
+
+def test_second_session_does_not_move_the_tree_while_one_holds_it():
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, tree; from pathlib import Path\n"
+         "with tree.locked(Path(sys.argv[1]), 'nox -s verify-series-postgres'):\n"
+         "    print('held', flush=True); sys.stdin.read()", str(ROOT)],
+        cwd=ROOT / "scripts" / "ci", stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        proc = nox("-s", "prepare", SERIES_LOCK_TIMEOUT="1")
+        assert proc.returncode != 0
+        assert "airflow-core/ is in use by nox -s verify-series-postgres" in proc.stdout + proc.stderr
+    finally:
+        holder.communicate("", timeout=30)
