@@ -143,7 +143,30 @@ OUTSIDE_EXIT_PATTERNS = [
 
 
 def log(msg: str) -> None:
-    print(f"[soak {datetime.datetime.now().strftime('%H:%M:%S')}] {msg}", flush=True)
+    # after a SIGHUP the terminal is gone: the shutdown must go on without its output
+    with contextlib.suppress(OSError):
+        print(f"[soak {datetime.datetime.now().strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_detached(argv: list[str]) -> int:
+    """
+    Run the soak in a child process in its own session and wait for it, forwarding SIGINT, SIGTERM and
+    SIGHUP to it as SIGTERM. A caller may kill this process right after interrupting it (nox sends
+    SIGTERM 0.3 s after Ctrl-C and SIGKILL 0.2 s later; a closed terminal takes its process group
+    along): the child, outside that process group, still stops every process it started.
+    """
+    env = dict(os.environ, SOAK_DETACHED="1")
+    child = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), *argv], env=env, start_new_session=True
+    )
+
+    def forward(signum, frame):
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signal.SIGTERM)
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, forward)
+    return child.wait()
 
 
 class SoakError(Exception):
@@ -309,6 +332,7 @@ class Soak:
         self.orphans_left: list[dict[str, Any]] = []
         self.interrupted = False
         self.restarts: list[dict[str, Any]] = []  # rolling restarts of Celery workers
+        self.faulted_ti_ids: set[str] = set()  # tries (TI ids) whose processes a fault or restart hit
         self.deploy: list[str] = []  # workers still to restart in the current wave
         self.deploy_step: dict[str, Any] | None = None
         self.next_deploy = 0.0
@@ -377,6 +401,9 @@ class Soak:
             }
             env["AIRFLOW__OPENLINEAGE__TRANSPORT"] = json.dumps(transport)
             env["AIRFLOW__OPENLINEAGE__NAMESPACE"] = "soak"
+            # openlineage 2.15.0 emits 'ol.emit.attempts' without the name variables 3.3's metric
+            # registry requires for legacy names: every emission failed before its HTTP request.
+            env["AIRFLOW__METRICS__LEGACY_NAMES_ON"] = "False"
         else:
             env["AIRFLOW__OPENLINEAGE__DISABLED"] = "True"  # in case the provider is installed
         return env
@@ -712,6 +739,7 @@ class Soak:
         except ProcessLookupError:
             rec["kind"] = kind + "_vanished"
         self.actions.append(rec)
+        self.faulted_ti_ids.add(ti_id)
         log(
             f"chaos: {rec['kind']} ti={ti_id} pid={target.pid}"
             + (f" for {rec['hold_s']}s" if "hold_s" in rec else "")
@@ -753,6 +781,13 @@ class Soak:
                 "kind": kind,
                 "pid": comp.popen.pid,
             }
+            running = {
+                m.group(3)
+                for p in all_procs().values()
+                if p.sid == comp.popen.pid and (m := TITLE_RE.match(p.title))
+            }
+            rec["tis_running"] = len(running)
+            self.faulted_ti_ids.update(running)
             comp.restarting = True
             if kind == "kill":
                 self._kill_session(comp.popen.pid, grace=0)
@@ -1153,27 +1188,34 @@ def analyse(soak: Soak) -> dict[str, Any]:
     for key, events in stale_by_key.items():
         ids = {i for i, _ in events}
         ti = tis.get(key) if isinstance(key, tuple) else None
-        by_stale = sorted(
-            {
-                k[1]
-                for k, v in audit_cbs.items()
-                if any(a["ti_id"] in ids and "finished with state success" in a["msg"] for a in v)
-            },
-            key=lambda n: (n is None, n),
-        )
+        # A try whose own process was killed or stopped by a fault (or ran on a worker that was
+        # restarted) ends for that reason: an executor SUCCESS event for it is not stale (e.g. Celery
+        # reports SUCCESS for a workload whose task runner was SIGKILLed before the supervisor's
+        # failed state reached the API). Those tries are listed apart.
+        by_stale, after_fault = set(), set()
+        for k, v in audit_cbs.items():
+            for a in v:
+                if a["ti_id"] in ids and "finished with state success" in a["msg"]:
+                    (after_fault if a["ti_id"] in soak.faulted_ti_ids else by_stale).add(k[1])
         stale_failed.append(
             {
                 "ti": label(key) if isinstance(key, tuple) else key,
                 "operator": ti["operator"] if ti else None,
                 "stale_events": len(events),
                 "ti_states_seen": sorted({st for _, st in events}),
-                "tries_failed_by_stale_event": by_stale,
+                "tries_failed_by_stale_event": sorted(by_stale, key=lambda n: (n is None, n)),
+                "tries_failed_after_a_fault_on_them": sorted(after_fault, key=lambda n: (n is None, n)),
             }
         )
     sensors_failed_by_stale = [
         s
         for s in stale_failed
         if s["tries_failed_by_stale_event"] and (s["operator"] or "").endswith("Sensor")
+    ]
+    failed_after_fault = [
+        {k: s[k] for k in ("ti", "operator", "tries_failed_after_a_fault_on_them")}
+        for s in stale_failed
+        if s["tries_failed_after_a_fault_on_them"]
     ]
     stale_failed = [s for s in stale_failed if s["tries_failed_by_stale_event"]]
 
@@ -1256,6 +1298,7 @@ def analyse(soak: Soak) -> dict[str, Any]:
         "loadavg_start": soak.load_start,
         "loadavg_end": soak.load_end,
         "tis_failed_after_stale_event": stale_failed,
+        "state_mismatch_failures_after_a_fault": failed_after_fault,
         "tries_without_history": missing_history,
         "tis_over_max_tries": too_many_tries,
         "other_exceptions": other_exceptions,
@@ -1338,6 +1381,12 @@ def analyse_tries_and_services(
         if m and ts is not None:
             k = ((m.group(1), m.group(3), m.group(2), int(m.group(5))), int(m.group(4)))
             event_ts.setdefault(k, ts)
+    listener_s = sorted(
+        round(r["ts_end"] - r["ts_first"], 2)
+        for v in calls.values()
+        for r in v
+        if r["side"].startswith("scheduler") and "ts_first" in r
+    )
     handling = sorted(
         round(r["ts_end"] - event_ts[k], 2)
         for k, v in calls.items()
@@ -1369,6 +1418,12 @@ def analyse_tries_and_services(
         "listener_calls_by_side": dict(sides),
         "tries_with_more_than_one_listener_call": more_listener,
         "tries_handled_by_two_schedulers": across,
+        "scheduler_listener_s": {
+            "calls": len(listener_s),
+            "median": listener_s[len(listener_s) // 2] if listener_s else None,
+            "max": listener_s[-1] if listener_s else None,
+            "total": round(sum(listener_s), 1),
+        },
         "failure_handling_s": {
             "events": len(handling),
             "median": handling[len(handling) // 2] if handling else None,
@@ -1463,6 +1518,11 @@ def to_markdown(r: dict[str, Any]) -> str:
             f"{sum(len(x['tries_failed_by_stale_event']) for x in r['sensors_failed_by_stale_event'])} tries",
         ),
         (
+            "state-mismatch failures of tries a fault or worker restart hit (not counted as stale)",
+            f"{len(r['state_mismatch_failures_after_a_fault'])} TIs, "
+            f"{sum(len(x['tries_failed_after_a_fault_on_them']) for x in r['state_mismatch_failures_after_a_fault'])} tries",
+        ),
+        (
             "other executor/TI state mismatches",
             ", ".join(f"{k}: {v}" for k, v in r["other_state_mismatch_events"].items()) or "0",
         ),
@@ -1477,6 +1537,11 @@ def to_markdown(r: dict[str, Any]) -> str:
             + f" (calls by process: {', '.join(f'{k} {v}' for k, v in r['listener_calls_by_side'].items()) or 'none'})",
         ),
         ("tries whose failure two schedulers handled", len(r["tries_handled_by_two_schedulers"])),
+        (
+            "on_task_instance_failed listeners in the schedulers: time per call (all listeners)",
+            f"{r['scheduler_listener_s']['calls']} calls, median {r['scheduler_listener_s']['median']} s,"
+            f" max {r['scheduler_listener_s']['max']} s, total {r['scheduler_listener_s']['total']} s",
+        ),
         (
             "failure handling per executor FAILED event (event line to end of listeners)",
             f"{fh['events']} events, median {fh['median']} s, max {fh['max']} s",
@@ -1685,9 +1750,15 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if os.environ.get("SOAK_DETACHED") != "1":
+        return run_detached(sys.argv[1:] if argv is None else argv)
     soak = Soak(args)
 
     def on_signal(signum, frame):
+        # Interrupted once: the shutdown that follows is not interrupted again (nox's SIGTERM after
+        # SIGINT, repeated Ctrl-C); every process the soak started is stopped before it exits.
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -1718,12 +1789,20 @@ def main(argv: list[str] | None = None) -> int:
         soak.stop_all()
     if soak.t_launch == 0:
         return 2
-    report = analyse(soak)
+    try:
+        report = analyse(soak)
+    except Exception as e:
+        if not soak.interrupted:
+            raise
+        # e.g. the caller's throwaway database is already gone
+        log(f"no report: the analysis of the interrupted soak failed ({type(e).__name__}: {e})")
+        return 2
     md = to_markdown(report)
     report_base.parent.mkdir(parents=True, exist_ok=True)
     report_base.with_suffix(".md").write_text(md)
     report_base.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
-    print(md)
+    with contextlib.suppress(OSError):
+        print(md, flush=True)
     log(f"report: {report_base.with_suffix('.md')} / .json")
     code = report["exit_code"]
     if code == 0 and not args.keep_home and not args.home:

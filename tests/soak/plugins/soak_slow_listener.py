@@ -44,13 +44,25 @@ def _listener_file() -> str:
     )
 
 
+_first_called: dict[int, float] = {}  # id(task_instance) -> when the first listener was called
+
+
+class _FirstFailureListener:
+    # tryfirst: runs before the other listeners (e.g. OpenLineage's) of the same call
+    @hookimpl(tryfirst=True)
+    def on_task_instance_failed(self, previous_state, task_instance, error):
+        _first_called[id(task_instance)] = time.time()
+
+
 class _SlowFailureListener:
-    # trylast: runs after the other listeners (e.g. OpenLineage's), so ``ts_end`` is when they are done
+    # trylast: runs after the other listeners, so ``ts_end - ts_first`` is how long all of them took
     @hookimpl(trylast=True)
     def on_task_instance_failed(self, previous_state, task_instance, error):
         started = time.time()
+        first = _first_called.pop(id(task_instance), started)
         time.sleep(float(os.environ.get("SOAK_LISTENER_SLEEP", "5")))
         rec = {
+            "ts_first": first,
             "ts": started,
             "ts_end": time.time(),
             "ti_id": str(getattr(task_instance, "id", "")),
@@ -70,9 +82,10 @@ class _SlowFailureListener:
             os.close(fd)
 
 
+first_failure_listener = _FirstFailureListener()
 slow_failure_listener = _SlowFailureListener()
 
 
 class SoakSlowListenerPlugin(AirflowPlugin):
     name = "soak_slow_listener"
-    listeners = [slow_failure_listener]
+    listeners = [first_failure_listener, slow_failure_listener]
