@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -151,6 +152,9 @@ def soak_providers(session: nox.Session, backend: str) -> None:
 
 def soak(session: nox.Session, backend: str) -> None:
     """Run tests/soak/run_soak.py on the series, or with ``--base`` in posargs on the pristine release."""
+    # A closed terminal (SIGHUP) unwinds like Ctrl-C, so the throwaway database server is stopped too;
+    # run_soak.py stops what it started in a child process of its own session (see run_detached).
+    signal.signal(signal.SIGHUP, lambda signum, frame: sys.exit(128 + signum))
     args = list(session.posargs)
     label = "base" if "--base" in args else "series"
     args = [a for a in args if a != "--base"]
