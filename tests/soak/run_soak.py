@@ -914,7 +914,8 @@ class Soak:
     def _session_members(self, sid: int) -> list[Proc]:
         out = []
         for p in all_procs().values():
-            if p.sid == sid and p.pid != os.getpid():
+            # zombies (exited, not yet reaped by their parent) are not running: not waited for
+            if p.sid == sid and p.pid != os.getpid() and p.state not in ("Z", "X"):
                 out.append(p)
         return out
 
