@@ -10,9 +10,11 @@ environment only (nox echoes argv). A session holds the tree lock (scripts/ci/tr
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -154,12 +156,43 @@ backend_sessions(
 )
 
 
+# The #71923 deployment (`-- --executor celery --listener openlineage`): providers from PyPI, which
+# require the apache-airflow meta package of the core's version beside the editable patched core.
+# openlineage 2.15.0 is the last release whose scheduler-side on_task_instance_failed forks and waits up
+# to [openlineage] execution_timeout (the reporter's amplifier); 2.16.0+ hands it to a process pool.
+SOAK_PROVIDERS = ["apache-airflow-providers-celery==3.26.0", "apache-airflow-providers-openlineage==2.15.0"]
+
+
+def soak_providers(session: nox.Session, backend: str) -> None:
+    """Install the providers with the editable tree in one resolution, so pip keeps the patched core."""
+    install(session, backend)
+    meta = f"apache-airflow=={tree.base_config(ROOT)['version']}"
+    session.install("--no-sources", "-e", "airflow-core", meta, *SOAK_PROVIDERS)
+    code = "import airflow.models.taskinstance as m; print(m.__file__)"
+    used = Path(session.run("python", "-c", code, silent=True).strip().splitlines()[-1])
+    patched = ROOT / "airflow-core" / "src" / "airflow" / "models" / "taskinstance.py"
+    session.log(f"airflow.models.taskinstance: {used}")
+    if used.resolve() != patched.resolve():
+        session.error(f"the providers' install replaced the editable core: {used} is not {patched}")
+
+
 def soak(session: nox.Session, backend: str) -> None:
     """Run tests/soak/run_soak.py on the series, or with ``--base`` in posargs on the pristine release."""
+    # A closed terminal (SIGHUP) unwinds like Ctrl-C, so the throwaway database server is stopped too;
+    # run_soak.py stops what it started in a child process of its own session (see run_detached).
+    signal.signal(signal.SIGHUP, lambda signum, frame: sys.exit(128 + signum))
     args = list(session.posargs)
     label = "base" if "--base" in args else "series"
     args = [a for a in args if a != "--base"]
-    report = ROOT / "soak-results" / f"{backend}-{label}"
+    parser = argparse.ArgumentParser(add_help=False)
+    for option in ("--executor", "--listener", "--schedulers"):
+        parser.add_argument(option)
+    deployment = parser.parse_known_args(args)[0]
+    providers = deployment.executor == "celery" or deployment.listener == "openlineage"
+    variant = "".join(
+        f"-{v}" for v in (deployment.executor, deployment.listener) if v not in (None, "local", "slow")
+    ) + (f"-{deployment.schedulers}sched" if deployment.schedulers not in (None, "1") else "")
+    report = ROOT / "soak-results" / f"{backend}-{label}{variant}"
     command = (
         "python",
         "tests/soak/run_soak.py",
@@ -171,12 +204,17 @@ def soak(session: nox.Session, backend: str) -> None:
         str(report),
     )
     if label == "series":
+        if providers:
+            prepare_tree()
+            soak_providers(session, backend)
         in_database(session, backend, *command, *args)
         return
     with tree.locked(ROOT, f"nox -s {session.name} -- --base"):
         prepare_tree()
         try:
             session.log(tree.checkout(ROOT, "0"))
+            if providers:
+                soak_providers(session, backend)
             # The base is expected to show the races (exit 1: findings in the series' areas; 3: other exits).
             in_database(session, backend, *command, *args, prepare=False, success_codes=(0, 1, 3))
         finally:

@@ -77,16 +77,28 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 AIRFLOW = Path(sys.executable).parent / "airflow"
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
+# Task processes: the LocalExecutor worker (supervisor) "airflow worker -- LocalExecutor: <ti_id>", a Celery
+# pool process running a workload "airflow supervisor: <ti_id>" (BaseExecutor.run_workload), and the task
+# runner they fork, "airflow worker -- <ti_id>".
 TITLE_RE = re.compile(
-    r"^airflow worker -- (LocalExecutor(?:-[^:]*)?: )?([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"
+    r"^airflow (?:worker -- (LocalExecutor(?:-[^:]*)?: )?|(supervisor): )"
+    r"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"
 )
+EVENT_RE = re.compile(
+    r"Received executor event with state failed for task instance TaskInstanceKey\(dag_id='([^']*)', "
+    r"task_id='([^']*)', run_id='([^']*)', try_number=(\d+), map_index=(-?\d+)\)"
+)
+ACCESS_RE = re.compile(r"request finished\b.*?\bmethod=(\w+).*?\bpath=(\S+).*?\bstatus_code=(\d+)")
+LOG_ISO_RE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)(Z|[+-]\d\d:?\d\d)?")
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 STATE_MISMATCH_RE = re.compile(r"finished with state (\w+), but the task instance's state attribute is (\w+)")
 LOG_TS_RE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)")
@@ -132,7 +144,30 @@ OUTSIDE_EXIT_PATTERNS = [
 
 
 def log(msg: str) -> None:
-    print(f"[soak {datetime.datetime.now().strftime('%H:%M:%S')}] {msg}", flush=True)
+    # after a SIGHUP the terminal is gone: the shutdown must go on without its output
+    with contextlib.suppress(OSError):
+        print(f"[soak {datetime.datetime.now().strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_detached(argv: list[str]) -> int:
+    """
+    Run the soak in a child process in its own session and wait for it, forwarding SIGINT, SIGTERM and
+    SIGHUP to it as SIGTERM. A caller may kill this process right after interrupting it (nox sends
+    SIGTERM 0.3 s after Ctrl-C and SIGKILL 0.2 s later; a closed terminal takes its process group
+    along): the child, outside that process group, still stops every process it started.
+    """
+    env = dict(os.environ, SOAK_DETACHED="1")
+    child = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), *argv], env=env, start_new_session=True
+    )
+
+    def forward(signum, frame):
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signal.SIGTERM)
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, forward)
+    return child.wait()
 
 
 class SoakError(Exception):
@@ -226,6 +261,8 @@ class Component:
     started_at: float = 0.0
     log_offset: int = 0  # where this incarnation's output starts in log_path
     starts: int = 0
+    pids: list[int] = field(default_factory=list)  # main pid of every incarnation
+    restarting: bool = False  # stopped on purpose (rolling restart): not an exit to record
 
 
 @dataclass
@@ -271,6 +308,12 @@ class Soak:
         self.callback_file = self.home / "callbacks.jsonl"
         self.listener_file = self.home / "listener.jsonl"
         self.port = free_port()
+        self.celery = args.executor == "celery"
+        self.redis_port = free_port() if self.celery else 0
+        self.blackhole: socket.socket | None = None
+        self.blackhole_conns: list[tuple[float, socket.socket]] = []
+        self.blackhole_accepted = 0
+        self.ol_port = self._start_blackhole() if args.listener == "openlineage" else 0
         self.env = self._build_env()
         self.components: dict[str, Component] = {}
         self.session_ids: set[int] = set()
@@ -289,6 +332,15 @@ class Soak:
         self.orphans: list[dict[str, Any]] = []
         self.orphans_left: list[dict[str, Any]] = []
         self.interrupted = False
+        self.restarts: list[dict[str, Any]] = []  # rolling restarts of Celery workers
+        self.faulted_ti_ids: set[str] = set()  # tries (TI ids) whose processes a fault or restart hit
+        self.deploy: list[str] = []  # workers still to restart in the current wave
+        self.deploy_step: dict[str, Any] | None = None
+        self.next_deploy = 0.0
+        self.heartbeat_max: dict[str, float] = {}  # scheduler job id -> max heartbeat age seen (s)
+        self.heartbeat_last: dict[str, datetime.datetime] = {}
+        self.heartbeat_samples = 0
+        self.next_sample = 0.0
 
     # ---------------------------------------------------------------- setup
     def _build_env(self) -> dict[str, str]:
@@ -330,7 +382,55 @@ class Soak:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        if self.celery:
+            env.update(
+                {
+                    "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+                    "AIRFLOW__CELERY__BROKER_URL": f"redis://127.0.0.1:{self.redis_port}/0",
+                    # Celery's database result backend on the metadata database (its SQLAlchemy URL)
+                    "AIRFLOW__CELERY__RESULT_BACKEND": f"db+{self.args.dsn}",
+                    "AIRFLOW__CELERY__WORKER_CONCURRENCY": str(self.args.worker_concurrency),
+                }
+            )
+        if self.args.listener == "openlineage":
+            # The real OpenLineage listener with its HTTP transport pointed at an endpoint that accepts
+            # connections and never answers; [openlineage] execution_timeout stays at its default.
+            transport = {
+                "type": "http",
+                "url": f"http://127.0.0.1:{self.ol_port}",
+                "endpoint": "api/v1/lineage",
+            }
+            env["AIRFLOW__OPENLINEAGE__TRANSPORT"] = json.dumps(transport)
+            env["AIRFLOW__OPENLINEAGE__NAMESPACE"] = "soak"
+            # openlineage 2.15.0 emits 'ol.emit.attempts' without the name variables 3.3's metric
+            # registry requires for legacy names: every emission failed before its HTTP request.
+            env["AIRFLOW__METRICS__LEGACY_NAMES_ON"] = "False"
+        else:
+            env["AIRFLOW__OPENLINEAGE__DISABLED"] = "True"  # in case the provider is installed
         return env
+
+    def _start_blackhole(self) -> int:
+        """A loopback HTTP endpoint that accepts connections and never answers (closed at the end)."""
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        self.blackhole = sock
+
+        def accept() -> None:
+            while True:
+                try:
+                    conn, _ = sock.accept()
+                except OSError:  # closed by stop_all
+                    return
+                # held open, never read from or answered; closed after 5 minutes (file descriptors)
+                now = time.monotonic()
+                self.blackhole_conns.append((now, conn))
+                self.blackhole_accepted += 1
+                while self.blackhole_conns and self.blackhole_conns[0][0] < now - 300:
+                    self.blackhole_conns.pop(0)[1].close()
+
+        threading.Thread(target=accept, name="ol-blackhole", daemon=True).start()
+        return sock.getsockname()[1]
 
     def airflow(self, *cmd: str, timeout: float = 600) -> None:
         out = self.home / "setup.log"
@@ -437,6 +537,8 @@ class Soak:
             )
         comp.started_at = time.monotonic()
         comp.starts += 1
+        comp.pids.append(comp.popen.pid)
+        comp.restarting = False
         self.session_ids.add(comp.popen.pid)  # start_new_session: sid == pid of the component
         log(f"started {name} pid={comp.popen.pid}")
 
@@ -444,21 +546,57 @@ class Soak:
         logs = self.home / "logs"
         logs.mkdir(exist_ok=True)
         a = str(AIRFLOW)
-        self.components = {
-            "api-server": Component(
+        comps = [
+            Component(
                 "api-server",
                 [a, "api-server", "--host", "127.0.0.1", "--port", str(self.port)],
                 logs / "api-server.log",
             ),
-            "dag-processor": Component("dag-processor", [a, "dag-processor"], logs / "dag-processor.log"),
-            "scheduler": Component(
-                "scheduler", [a, "scheduler", "--skip-serve-logs"], logs / "scheduler.log"
-            ),
-        }
+            Component("dag-processor", [a, "dag-processor"], logs / "dag-processor.log"),
+        ]
+        comps += [
+            Component(name, [a, "scheduler", "--skip-serve-logs"], logs / f"{name}.log")
+            for name in self.scheduler_names()
+        ]
+        if self.celery:
+            redis_dir = self.home / "redis"
+            redis_dir.mkdir(exist_ok=True)
+            # throwaway broker: own port on loopback, no persistence, never the machine's 6379
+            redis_argv = [REDIS_SERVER, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", ""]
+            redis_argv += ["--appendonly", "no", "--dir", str(redis_dir), "--daemonize", "no"]
+            comps.insert(0, Component("redis", redis_argv, logs / "redis.log"))
+            for name in self.worker_names():
+                argv = [a, "celery", "worker", "--concurrency", str(self.args.worker_concurrency)]
+                argv += ["--celery-hostname", f"{name}@soak", "--pid", str(self.home / f"{name}.pid")]
+                comps.append(Component(name, [*argv, "--skip-serve-logs"], logs / f"{name}.log"))
+        self.components = {c.name: c for c in comps}
+        if self.celery:
+            self.start("redis")
+            self._wait_port(self.redis_port, "redis")
         self.start("api-server")
         self._wait_api(self.args.warmup_timeout)
         self.start("dag-processor")
-        self.start("scheduler")
+        for name in self.scheduler_names():
+            self.start(name)
+        for name in self.worker_names():
+            self.start(name)
+
+    def scheduler_names(self) -> list[str]:
+        return ["scheduler"] + [f"scheduler-{i}" for i in range(2, self.args.schedulers + 1)]
+
+    def worker_names(self) -> list[str]:
+        return [f"worker-{i}" for i in range(1, self.args.workers + 1)] if self.celery else []
+
+    def _wait_port(self, port: int, name: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.components[name].popen.poll() is not None:
+                raise SoakError(f"{name} exited rc={self.components[name].popen.returncode}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                log(f"{name} up on 127.0.0.1:{port}")
+                return
+            time.sleep(0.3)
+        raise SoakError(f"{name} not listening on 127.0.0.1:{port} after {timeout}s")
 
     def _wait_api(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -479,7 +617,7 @@ class Soak:
 
     def check_components(self) -> None:
         for name, comp in self.components.items():
-            if comp.popen is None or comp.popen.poll() is None:
+            if comp.popen is None or comp.popen.poll() is None or comp.restarting:
                 continue
             rc = comp.popen.returncode
             # give its process group a moment, then make sure nothing of this incarnation is left
@@ -504,8 +642,14 @@ class Soak:
     # ---------------------------------------------------------------- chaos
     def own_task_procs(self) -> list[tuple[str, str, Proc]]:
         """(role, ti_id, proc) for task processes that are provably ours."""
-        sched = self.components["scheduler"].popen
-        if sched is None or sched.poll() is not None:
+        # Task processes descend from a scheduler (LocalExecutor) or from a Celery worker of ours.
+        owners = self.worker_names() if self.celery else self.scheduler_names()
+        roots = [
+            c.popen.pid
+            for c in (self.components[n] for n in owners)
+            if c.popen is not None and c.popen.poll() is None
+        ]
+        if not roots:
             return []
         procs = all_procs()
         found = []
@@ -513,14 +657,14 @@ class Soak:
             m = TITLE_RE.match(p.title)
             if not m or p.state in ("Z", "X"):
                 continue
-            if not is_descendant(procs, p.pid, sched.pid):
+            if not any(is_descendant(procs, p.pid, root) for root in roots):
                 continue
             # setproctitle reuses the environ block for the longer title, so /proc/PID/environ of
             # a task process is usually unreadable garbage: refuse only a *different* AIRFLOW_HOME.
             env_home = proc_env_home(p.pid)
             if env_home is not None and env_home != str(self.home):
                 continue
-            found.append((m.group(2), p))
+            found.append((m.group(3), p))
         if not found:
             return []
         ids = self._own_ti_ids()
@@ -596,6 +740,7 @@ class Soak:
         except ProcessLookupError:
             rec["kind"] = kind + "_vanished"
         self.actions.append(rec)
+        self.faulted_ti_ids.add(ti_id)
         log(
             f"chaos: {rec['kind']} ti={ti_id} pid={target.pid}"
             + (f" for {rec['hold_s']}s" if "hold_s" in rec else "")
@@ -609,6 +754,103 @@ class Soak:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p.pid, signal.SIGCONT)
                 del self.stopped[key]
+
+    # ---------------------------------------------------------------- rolling restarts (Celery)
+    def deploy_tick(self, new_waves: bool = True) -> None:
+        """
+        One step of a rolling restart as in a deploy: worker after worker, SIGTERM to the worker's
+        main process (Celery warm shutdown: running tasks finish; SIGKILL of its session after
+        ``--warm-grace`` s, like a container's grace period) or, with probability ``--kill-share``,
+        SIGKILL of the worker's whole session (a killed container); then a new worker, and the next
+        one once it is ready.
+        """
+        now = time.monotonic()
+        step = self.deploy_step
+        if step is None:
+            if not self.deploy:
+                if not new_waves or now < self.next_deploy:
+                    return
+                self.deploy = self.worker_names()
+                log(f"deploy: rolling restart of {', '.join(self.deploy)}")
+            comp = self.components[self.deploy.pop(0)]
+            if comp.popen is None or comp.popen.poll() is not None:
+                return  # exited on its own: check_components restarts it
+            kind = "kill" if self.rng.random() < self.args.kill_share else "warm"
+            rec = {
+                "t": round(now - self.t_start, 1),
+                "worker": comp.name,
+                "kind": kind,
+                "pid": comp.popen.pid,
+            }
+            running = {
+                m.group(3)
+                for p in all_procs().values()
+                if p.sid == comp.popen.pid and (m := TITLE_RE.match(p.title))
+            }
+            rec["tis_running"] = len(running)
+            self.faulted_ti_ids.update(running)
+            comp.restarting = True
+            if kind == "kill":
+                self._kill_session(comp.popen.pid, grace=0)
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(comp.popen.pid, signal.SIGTERM)
+            self.restarts.append(rec)
+            self.deploy_step = {"rec": rec, "comp": comp, "phase": "stopping", "since": now}
+            log(f"deploy: {'SIGKILL (session)' if kind == 'kill' else 'SIGTERM (warm shutdown)'} {comp.name}")
+            return
+        comp, rec = step["comp"], step["rec"]
+        if step["phase"] == "stopping":
+            if comp.popen.poll() is None:
+                if now - step["since"] < self.args.warm_grace:
+                    return
+                rec["grace_exceeded"] = True
+            rec["shutdown_s"] = round(now - step["since"], 1)
+            self._kill_session(comp.popen.pid, grace=0)  # what is left in the worker's session
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                comp.popen.wait(timeout=10)
+            rec["rc"] = comp.popen.returncode
+            self.start(comp.name)
+            step.update(phase="starting", since=time.monotonic())
+            return
+        ready = b" ready." in comp.log_path.read_bytes()[comp.log_offset :]
+        if not ready and comp.popen.poll() is None and now - step["since"] < 120:
+            return
+        rec["ready_s"] = round(now - step["since"], 1) if ready else None
+        self.deploy_step = None
+        if not self.deploy:
+            self.next_deploy = now + self.rng.uniform(*self.args.deploy_pause)
+
+    # ---------------------------------------------------------------- scheduler heartbeats
+    def sample_heartbeats(self) -> None:
+        """
+        Every second: ``job.latest_heartbeat`` of the running scheduler jobs. The largest step between
+        two consecutive heartbeats of a job is the largest heartbeat age it had (a dead job's last,
+        never-renewed age does not count).
+        """
+        now = time.monotonic()
+        if now < self.next_sample:
+            return
+        self.next_sample = now + 1.0
+        from sqlalchemy import text
+
+        with self.engine.connect() as c:
+            rows = c.execute(
+                text(
+                    "SELECT id, latest_heartbeat FROM job WHERE job_type = 'SchedulerJob' AND state = 'running'"
+                )
+            ).all()
+        self.heartbeat_samples += 1
+        for job_id, hb in rows:
+            if hb is None:
+                continue
+            if hb.tzinfo is None:
+                hb = hb.replace(tzinfo=datetime.timezone.utc)
+            key = str(job_id)
+            prev = self.heartbeat_last.get(key)
+            if prev is not None and hb > prev:
+                self.heartbeat_max[key] = max(self.heartbeat_max.get(key, 0.0), (hb - prev).total_seconds())
+            self.heartbeat_last[key] = hb
 
     # ---------------------------------------------------------------- run / stop
     def run(self) -> None:
@@ -632,9 +874,13 @@ class Soak:
         )
         deadline = self.t_start + self.args.duration
         next_chaos = time.monotonic() + self.rng.uniform(*self.args.interval)
+        self.next_deploy = time.monotonic() + self.rng.uniform(*self.args.deploy_pause)
         while time.monotonic() < deadline:
             self.check_components()
             self.resume_due()
+            self.sample_heartbeats()
+            if self.celery and not self.args.no_chaos:
+                self.deploy_tick()
             if not self.args.no_chaos and time.monotonic() >= next_chaos:
                 before = len(self.actions)
                 self.chaos_tick()
@@ -648,15 +894,29 @@ class Soak:
         log(f"soak window over; draining {self.args.drain:.0f}s (components keep running, no faults)")
         self.resume_due(force=True)
         drain_end = time.monotonic() + self.args.drain
-        while time.monotonic() < drain_end:
+        self.deploy = []  # a worker being restarted comes back; no new restarts
+        while time.monotonic() < drain_end or self.deploy_step is not None:
             self.check_components()
+            self.sample_heartbeats()
+            self.deploy_tick(new_waves=False)
+            if time.monotonic() > drain_end + 150:
+                break
             time.sleep(0.5)
         self.t_end = time.monotonic()
+
+    def log_text(self, name: str) -> str:
+        """A component's log up to the shutdown (what came after is shutdown noise)."""
+        comp = self.components.get(name)
+        if comp is None or not comp.log_path.exists():
+            return ""
+        raw = comp.log_path.read_bytes()
+        return raw[: self.log_sizes_at_stop.get(name, len(raw))].decode(errors="replace")
 
     def _session_members(self, sid: int) -> list[Proc]:
         out = []
         for p in all_procs().values():
-            if p.sid == sid and p.pid != os.getpid():
+            # zombies (exited, not yet reaped by their parent) are not running: not waited for
+            if p.sid == sid and p.pid != os.getpid() and p.state not in ("Z", "X"):
                 out.append(p)
         return out
 
@@ -675,16 +935,9 @@ class Soak:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGKILL)
 
-    def stop_all(self) -> None:
-        # the analysis reads the logs up to here: shutdown noise (tasks losing the api-server) is not a finding
-        for name, comp in self.components.items():
-            if comp.log_path.exists():
-                self.log_sizes_at_stop.setdefault(name, comp.log_path.stat().st_size)
-        self.resume_due(force=True)
-        # SIGTERM every component's process group at once, wait up to 15 s in total, then SIGKILL
-        # whatever is left in their sessions.
+    def _stop(self, names: list[str]) -> None:
         sids = []
-        for name in ("scheduler", "dag-processor", "api-server"):
+        for name in names:
             comp = self.components.get(name)
             if comp is None or comp.popen is None:
                 continue
@@ -702,10 +955,26 @@ class Soak:
             time.sleep(0.5)
         for sid in sids:
             self._kill_session(sid, grace=0)
-        for comp in self.components.values():
-            if comp.popen is not None:
+        for name in names:
+            comp = self.components.get(name)
+            if comp is not None and comp.popen is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     comp.popen.wait(timeout=10)
+
+    def stop_all(self) -> None:
+        # the analysis reads the logs up to here: shutdown noise (tasks losing the api-server) is not a finding
+        for name, comp in self.components.items():
+            if comp.log_path.exists():
+                self.log_sizes_at_stop.setdefault(name, comp.log_path.stat().st_size)
+        self.resume_due(force=True)
+        # SIGTERM every component's process group at once, wait up to 15 s in total, then SIGKILL
+        # whatever is left in their sessions; the broker (redis) last.
+        for names in ([n for n in self.components if n != "redis"], ["redis"]):
+            self._stop(names)
+        if self.blackhole is not None:
+            self.blackhole.close()
+            for _, conn in self.blackhole_conns:
+                conn.close()
         # orphan check: anything still carrying our AIRFLOW_HOME (e.g. reparented task runners)
         for attempt in range(2):
             leftover = [
@@ -713,7 +982,7 @@ class Soak:
                 for p in all_procs().values()
                 if p.pid != os.getpid()
                 and (
-                    (p.sid in self.session_ids and "airflow" in p.title)
+                    (p.sid in self.session_ids and ("airflow" in p.title or "redis-server" in p.title))
                     or proc_env_home(p.pid) == str(self.home)
                 )
             ]
@@ -892,12 +1161,8 @@ def analyse(soak: Soak) -> dict[str, Any]:
         if (t["try_number"] or 0) > (t["max_tries"] or 0) + 1
     ]
 
-    # -- scheduler log: stale executor events, other exceptions
-    sched_log = soak.components["scheduler"].log_path
-    text_log = ""
-    if sched_log.exists():
-        raw = sched_log.read_bytes()
-        text_log = raw[: soak.log_sizes_at_stop.get("scheduler", len(raw))].decode(errors="replace")
+    # -- scheduler logs: stale executor events, other exceptions
+    text_log = "".join(soak.log_text(name) for name in soak.scheduler_names())
     # The scheduler logs each state mismatch twice (its own error line, then handle_failure's):
     # count one event per (TI, executor state, second).
     stale_lines = collections.defaultdict(list)
@@ -925,27 +1190,34 @@ def analyse(soak: Soak) -> dict[str, Any]:
     for key, events in stale_by_key.items():
         ids = {i for i, _ in events}
         ti = tis.get(key) if isinstance(key, tuple) else None
-        by_stale = sorted(
-            {
-                k[1]
-                for k, v in audit_cbs.items()
-                if any(a["ti_id"] in ids and "finished with state success" in a["msg"] for a in v)
-            },
-            key=lambda n: (n is None, n),
-        )
+        # A try whose own process was killed or stopped by a fault (or ran on a worker that was
+        # restarted) ends for that reason: an executor SUCCESS event for it is not stale (e.g. Celery
+        # reports SUCCESS for a workload whose task runner was SIGKILLed before the supervisor's
+        # failed state reached the API). Those tries are listed apart.
+        by_stale, after_fault = set(), set()
+        for k, v in audit_cbs.items():
+            for a in v:
+                if a["ti_id"] in ids and "finished with state success" in a["msg"]:
+                    (after_fault if a["ti_id"] in soak.faulted_ti_ids else by_stale).add(k[1])
         stale_failed.append(
             {
                 "ti": label(key) if isinstance(key, tuple) else key,
                 "operator": ti["operator"] if ti else None,
                 "stale_events": len(events),
                 "ti_states_seen": sorted({st for _, st in events}),
-                "tries_failed_by_stale_event": by_stale,
+                "tries_failed_by_stale_event": sorted(by_stale, key=lambda n: (n is None, n)),
+                "tries_failed_after_a_fault_on_them": sorted(after_fault, key=lambda n: (n is None, n)),
             }
         )
     sensors_failed_by_stale = [
         s
         for s in stale_failed
         if s["tries_failed_by_stale_event"] and (s["operator"] or "").endswith("Sensor")
+    ]
+    failed_after_fault = [
+        {k: s[k] for k in ("ti", "operator", "tries_failed_after_a_fault_on_them")}
+        for s in stale_failed
+        if s["tries_failed_after_a_fault_on_them"]
     ]
     stale_failed = [s for s in stale_failed if s["tries_failed_by_stale_event"]]
 
@@ -965,9 +1237,11 @@ def analyse(soak: Soak) -> dict[str, Any]:
         {"exception": k, "count": n, "example": exc_example[k]} for k, n in exc_counter.most_common()
     ]
 
+    extra = analyse_tries_and_services(soak, tis, tih, file_cbs, text_log)
+
     kinds = collections.Counter(a["kind"] for a in soak.actions)
-    sched_exits = [e.__dict__ for e in soak.exits if e.component == "scheduler"]
-    comp_exits = [e.__dict__ for e in soak.exits if e.component != "scheduler"]
+    sched_exits = [e.__dict__ for e in soak.exits if e.component.startswith("scheduler")]
+    comp_exits = [e.__dict__ for e in soak.exits if not e.component.startswith("scheduler")]
     series_exits = [e for e in sched_exits if e["category"] == "series"]
     outside_exits = [e for e in sched_exits if e["category"] != "series"]
     ti_states = collections.Counter(t["state"] for t in tis.values())
@@ -1026,13 +1300,144 @@ def analyse(soak: Soak) -> dict[str, Any]:
         "loadavg_start": soak.load_start,
         "loadavg_end": soak.load_end,
         "tis_failed_after_stale_event": stale_failed,
+        "state_mismatch_failures_after_a_fault": failed_after_fault,
         "tries_without_history": missing_history,
         "tis_over_max_tries": too_many_tries,
         "other_exceptions": other_exceptions,
         "orphans_killed_at_end": soak.orphans,
         "orphans_left": soak.orphans_left,
+        **extra,
         "verdict": verdict,
         "exit_code": code,
+    }
+
+
+def parse_log_ts(line: str) -> float | None:
+    """Epoch seconds of a log line's leading ISO timestamp (UTC when it carries no offset)."""
+    m = LOG_ISO_RE.match(line)
+    if not m:
+        return None
+    ts = m.group(1) + (m.group(2) or "+00:00").replace("Z", "+00:00")
+    with contextlib.suppress(ValueError):
+        return datetime.datetime.fromisoformat(ts).timestamp()
+    return None
+
+
+def histogram(counts: list[int]) -> dict[str, int]:
+    return {"0": counts.count(0), "1": counts.count(1), "more": sum(1 for n in counts if n > 1)}
+
+
+def analyse_tries_and_services(
+    soak: Soak, tis: dict, tih: dict, file_cbs: dict, text_log: str
+) -> dict[str, Any]:
+    """
+    Per failed try: failure/retry callbacks run and on_task_instance_failed calls (0 / 1 / more), by
+    which process and which scheduler; failure handling time per executor FAILED event; scheduler
+    heartbeat gaps; execution-API 5xx by route; worker restarts.
+
+    A failed try is one whose recorded state is ``failed`` or ``up_for_retry`` (task_instance for the
+    current try, task_instance_history for earlier ones).
+    """
+    failed: set[tuple] = set()
+    for key, ti in tis.items():
+        if ti["state"] in ("failed", "up_for_retry") and ti["try_number"]:
+            failed.add((key, int(ti["try_number"])))
+    for key, tries in tih.items():
+        failed.update((key, int(n)) for n, st in tries.items() if st in ("failed", "up_for_retry"))
+
+    sched_pid = {
+        pid: c.name for c in soak.components.values() if c.name.startswith("scheduler") for pid in c.pids
+    }
+    calls: dict[tuple, list[dict[str, Any]]] = collections.defaultdict(list)
+    for line in soak.listener_file.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            rec = json.loads(line)
+            key = (rec["dag_id"], rec["run_id"], rec["task_id"], rec.get("map_index", -1))
+            rec["side"] = sched_pid.get(rec["pid"], "task process")
+            calls[(key, int(rec["try_number"]))].append(rec)
+
+    def name(k: tuple) -> str:
+        return f"{k[0][0]}.{k[0][2]} {k[0][1]} try {k[1]}"
+
+    cb_counts = [len(file_cbs.get((k[0], k[1]), [])) for k in failed]
+    listener_counts = [len(calls.get(k, [])) for k in failed]
+    sides = collections.Counter(r["side"].split("-")[0] for k in failed for r in calls.get(k, []))
+    more_listener = [
+        {"try": name(k), "calls": [r["side"] for r in calls[k]]}
+        for k in sorted(failed, key=str)
+        if len(calls.get(k, [])) > 1
+    ]
+    across = [
+        {"try": name(k), "schedulers": sorted({r["side"] for r in v if r["side"].startswith("scheduler")})}
+        for k, v in sorted(calls.items(), key=str)
+        if len({r["side"] for r in v if r["side"].startswith("scheduler")}) > 1
+    ]
+
+    # Failure handling per executor FAILED event: from the scheduler's "Received executor event with
+    # state failed" line to the end of the on_task_instance_failed listeners (the soak's recorder runs
+    # last) in the same scheduler process for the same try.
+    event_ts: dict[tuple, float] = {}
+    for line in text_log.splitlines():
+        m = EVENT_RE.search(line)
+        ts = parse_log_ts(line) if m else None
+        if m and ts is not None:
+            k = ((m.group(1), m.group(3), m.group(2), int(m.group(5))), int(m.group(4)))
+            event_ts.setdefault(k, ts)
+    listener_s = sorted(
+        round(r["ts_end"] - r["ts_first"], 2)
+        for v in calls.values()
+        for r in v
+        if r["side"].startswith("scheduler") and "ts_first" in r
+    )
+    handling = sorted(
+        round(r["ts_end"] - event_ts[k], 2)
+        for k, v in calls.items()
+        if k in event_ts
+        for r in v
+        if r["side"].startswith("scheduler") and "ts_end" in r and r["ts_end"] >= event_ts[k]
+    )
+
+    api_5xx: collections.Counter[str] = collections.Counter()
+    api_requests = 0
+    for line in soak.log_text("api-server").splitlines():
+        m = ACCESS_RE.search(line)
+        if not m:
+            continue
+        api_requests += 1
+        if int(m.group(3)) >= 500:
+            api_5xx[f"{m.group(1)} {UUID_RE.sub('{id}', m.group(2))}"] += 1
+
+    worker_lost = sum(soak.log_text(n).count("WorkerLostError") for n in soak.worker_names())
+    return {
+        "executor": soak.args.executor,
+        "schedulers": soak.args.schedulers,
+        "workers": soak.args.workers if soak.celery else 0,
+        "worker_concurrency": soak.args.worker_concurrency if soak.celery else 0,
+        "listener": soak.args.listener,
+        "failed_tries": len(failed),
+        "callbacks_per_failed_try": histogram(cb_counts),
+        "listener_calls_per_failed_try": histogram(listener_counts),
+        "listener_calls_by_side": dict(sides),
+        "tries_with_more_than_one_listener_call": more_listener,
+        "tries_handled_by_two_schedulers": across,
+        "scheduler_listener_s": {
+            "calls": len(listener_s),
+            "median": listener_s[len(listener_s) // 2] if listener_s else None,
+            "max": listener_s[-1] if listener_s else None,
+            "total": round(sum(listener_s), 1),
+        },
+        "failure_handling_s": {
+            "events": len(handling),
+            "median": handling[len(handling) // 2] if handling else None,
+            "max": handling[-1] if handling else None,
+        },
+        "scheduler_heartbeat_gap_max_s": {k: round(v, 1) for k, v in sorted(soak.heartbeat_max.items())},
+        "heartbeat_samples": soak.heartbeat_samples,
+        "api_requests": api_requests,
+        "api_5xx_by_route": dict(api_5xx.most_common()),
+        "worker_restarts": soak.restarts,
+        "worker_lost_errors": worker_lost,
+        "openlineage_connections": soak.blackhole_accepted,
     }
 
 
@@ -1060,8 +1465,17 @@ def to_markdown(r: dict[str, Any]) -> str:
     L.append(f"# Chaos soak: {r['label']} on {r['backend']} (seed {r['seed']})\n")
     L.append(f"**Verdict: {r['verdict']}** (exit {r['exit_code']})\n")
     L.append("| | |\n|---|---|")
+    restarts = collections.Counter(x["kind"] for x in r["worker_restarts"])
+    shutdowns = [x["shutdown_s"] for x in r["worker_restarts"] if x["kind"] == "warm" and "shutdown_s" in x]
+    fh = r["failure_handling_s"]
     rows = [
         ("apache-airflow-core", r["airflow"]),
+        (
+            "deployment",
+            f"{r['executor']} executor"
+            + (f" ({r['workers']} workers x concurrency {r['worker_concurrency']})" if r["workers"] else "")
+            + f", {r['schedulers']} scheduler(s), listener {r['listener']}",
+        ),
         (
             "machine load (1/5/15 min) at start / end",
             f"{r['loadavg_start']} / {r['loadavg_end']} on {os.cpu_count()} CPUs",
@@ -1106,10 +1520,55 @@ def to_markdown(r: dict[str, Any]) -> str:
             f"{sum(len(x['tries_failed_by_stale_event']) for x in r['sensors_failed_by_stale_event'])} tries",
         ),
         (
+            "state-mismatch failures of tries a fault or worker restart hit (not counted as stale)",
+            f"{len(r['state_mismatch_failures_after_a_fault'])} TIs, "
+            f"{sum(len(x['tries_failed_after_a_fault_on_them']) for x in r['state_mismatch_failures_after_a_fault'])} tries",
+        ),
+        (
             "other executor/TI state mismatches",
             ", ".join(f"{k}: {v}" for k, v in r["other_state_mismatch_events"].items()) or "0",
         ),
         ("tries without a try-history row", len(r["tries_without_history"])),
+        (
+            "failed tries (failed/up_for_retry): failure/retry callbacks run 0 / 1 / more",
+            f"{r['failed_tries']}: " + " / ".join(str(v) for v in r["callbacks_per_failed_try"].values()),
+        ),
+        (
+            "failed tries: on_task_instance_failed calls 0 / 1 / more",
+            " / ".join(str(v) for v in r["listener_calls_per_failed_try"].values())
+            + f" (calls by process: {', '.join(f'{k} {v}' for k, v in r['listener_calls_by_side'].items()) or 'none'})",
+        ),
+        ("tries whose failure two schedulers handled", len(r["tries_handled_by_two_schedulers"])),
+        (
+            "on_task_instance_failed listeners in the schedulers: time per call (all listeners)",
+            f"{r['scheduler_listener_s']['calls']} calls, median {r['scheduler_listener_s']['median']} s,"
+            f" max {r['scheduler_listener_s']['max']} s, total {r['scheduler_listener_s']['total']} s",
+        ),
+        (
+            "failure handling per executor FAILED event (event line to end of listeners)",
+            f"{fh['events']} events, median {fh['median']} s, max {fh['max']} s",
+        ),
+        (
+            "scheduler heartbeat: largest gap per job (sampled every 1 s)",
+            ", ".join(f"job {k}: {v} s" for k, v in r["scheduler_heartbeat_gap_max_s"].items()) or "none",
+        ),
+        (
+            "execution/API 5xx by route",
+            (", ".join(f"{k}: {v}" for k, v in r["api_5xx_by_route"].items()) or "0")
+            + f" (of {r['api_requests']} requests)",
+        ),
+        (
+            "worker restarts (warm SIGTERM / SIGKILL)",
+            f"{restarts.get('warm', 0)} / {restarts.get('kill', 0)}"
+            + (f"; warm shutdown took max {max(shutdowns)} s" if shutdowns else "")
+            + f"; WorkerLostError lines {r['worker_lost_errors']}"
+            if r["workers"]
+            else "n/a (LocalExecutor)",
+        ),
+        (
+            "OpenLineage endpoint connections (never answered)",
+            r["openlineage_connections"] if r["listener"] == "openlineage" else "n/a",
+        ),
         ("TIs with more tries than max_tries+1", len(r["tis_over_max_tries"])),
         ("orphans killed at end / left", f"{len(r['orphans_killed_at_end'])} / {len(r['orphans_left'])}"),
     ]
@@ -1136,6 +1595,12 @@ def to_markdown(r: dict[str, Any]) -> str:
         ("SUCCESS after a failure/retry callback for the same try", "success_after_failure_callback"),
         ("Sensors failed by a stale executor event", "sensors_failed_by_stale_event"),
         ("Tries without a try-history row", "tries_without_history"),
+        (
+            "Failed tries with more than one on_task_instance_failed call",
+            "tries_with_more_than_one_listener_call",
+        ),
+        ("Tries whose failure two schedulers handled", "tries_handled_by_two_schedulers"),
+        ("Worker restarts", "worker_restarts"),
         ("TIs with more tries than max_tries+1", "tis_over_max_tries"),
     ]
     for title, key in sections:
@@ -1155,7 +1620,7 @@ def to_markdown(r: dict[str, Any]) -> str:
             L.append(f"| {e['count']} | `{md_cell(e['example'][:200])}` |")
         L.append("")
     L.append(
-        f"Logs: `{r['home']}/logs/` (scheduler.log, dag-processor.log, api-server.log); callbacks: `{r['home']}/callbacks.jsonl`.\n"
+        f"Logs: `{r['home']}/logs/` (one file per component); callbacks: `{r['home']}/callbacks.jsonl`.\n"
     )
     return "\n".join(L)
 
@@ -1198,7 +1663,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how long a SIGSTOPped process stays stopped",
     )
     p.add_argument(
-        "--listener-sleep", type=float, default=5.0, help="seconds on_task_instance_failed sleeps (default 5)"
+        "--listener-sleep",
+        type=float,
+        help="seconds the soak's recording listener sleeps in on_task_instance_failed (default: 5 with"
+        " --listener slow, 0 with --listener openlineage)",
+    )
+    p.add_argument(
+        "--listener",
+        choices=["slow", "openlineage"],
+        default="slow",
+        help="slow: the soak's sleeping listener; openlineage: the OpenLineage provider's listener with its"
+        " HTTP transport pointed at a loopback endpoint that never answers (needs the provider)",
+    )
+    p.add_argument("--executor", choices=["local", "celery"], default="local")
+    p.add_argument("--schedulers", type=int, default=1, help="schedulers on the same database (default 1)")
+    p.add_argument("--workers", type=int, default=3, help="Celery workers (default 3)")
+    p.add_argument("--worker-concurrency", type=int, default=2, help="Celery worker concurrency (default 2)")
+    p.add_argument(
+        "--deploy-pause",
+        type=float,
+        nargs=2,
+        default=(30.0, 60.0),
+        metavar=("MIN", "MAX"),
+        help="seconds between two rolling restarts of all Celery workers (default 30 60)",
+    )
+    p.add_argument(
+        "--kill-share",
+        type=float,
+        default=0.3,
+        help="share of worker restarts done by SIGKILL of the worker's session instead of SIGTERM (default 0.3)",
+    )
+    p.add_argument(
+        "--warm-grace",
+        type=float,
+        default=60,
+        help="seconds a worker gets for its warm shutdown before its session is SIGKILLed (default 60)",
     )
     p.add_argument("--no-chaos", action="store_true", help="inject no fault (slow listener only)")
     p.add_argument(
@@ -1221,6 +1720,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.listener_sleep is None:
+        args.listener_sleep = 5.0 if args.listener == "slow" else 0.0
+    needs = {"celery": args.executor == "celery", "openlineage": args.listener == "openlineage"}
+    import importlib.util
+
+    for provider, needed in needs.items():
+        if needed and importlib.util.find_spec(f"airflow.providers.{provider}") is None:
+            print(
+                f"soak: apache-airflow-providers-{provider} is not installed in {sys.prefix}", file=sys.stderr
+            )
+            return 2
+    if args.executor == "celery" and not Path(REDIS_SERVER).exists():
+        print(f"soak: --executor celery needs redis-server ({REDIS_SERVER} not found)", file=sys.stderr)
+        return 2
+    if args.schedulers < 1 or args.workers < 1 or args.worker_concurrency < 1:
+        print("soak: --schedulers, --workers and --worker-concurrency must be at least 1", file=sys.stderr)
+        return 2
     if args.backend == "sqlite" or args.dsn.startswith("sqlite"):
         print(
             "soak: sqlite is excluded: scheduler, api-server, dag-processor and task processes write "
@@ -1233,8 +1749,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"soak: {AIRFLOW} not found; run with the python of the venv under test", file=sys.stderr)
         return 2
     # Airflow 3 also opens an async engine on the metadata DB (asyncpg / aiomysql).
-    import importlib.util
-
     async_driver = {"postgres": "asyncpg", "mysql": "aiomysql"}[args.backend]
     if importlib.util.find_spec(async_driver) is None:
         print(
@@ -1242,13 +1756,20 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if os.environ.get("SOAK_DETACHED") != "1":
+        return run_detached(sys.argv[1:] if argv is None else argv)
     soak = Soak(args)
 
     def on_signal(signum, frame):
+        # Interrupted once: the shutdown that follows is not interrupted again (nox's SIGTERM after
+        # SIGINT, repeated Ctrl-C); every process the soak started is stopped before it exits.
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)  # also when started in the background (SIGINT ignored)
+    signal.signal(signal.SIGHUP, on_signal)  # the terminal went away: stop everything all the same
     report_base = Path(args.report)
     if report_base.suffix in (".md", ".json"):
         report_base = report_base.with_suffix("")
@@ -1274,12 +1795,20 @@ def main(argv: list[str] | None = None) -> int:
         soak.stop_all()
     if soak.t_launch == 0:
         return 2
-    report = analyse(soak)
+    try:
+        report = analyse(soak)
+    except Exception as e:
+        if not soak.interrupted:
+            raise
+        # e.g. the caller's throwaway database is already gone
+        log(f"no report: the analysis of the interrupted soak failed ({type(e).__name__}: {e})")
+        return 2
     md = to_markdown(report)
     report_base.parent.mkdir(parents=True, exist_ok=True)
     report_base.with_suffix(".md").write_text(md)
     report_base.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
-    print(md)
+    with contextlib.suppress(OSError):
+        print(md, flush=True)
     log(f"report: {report_base.with_suffix('.md')} / .json")
     code = report["exit_code"]
     if code == 0 and not args.keep_home and not args.home:

@@ -22,7 +22,9 @@ Slow listener plugin for the chaos soak (issue #10).
 the task runner when a task fails in-process, and in the scheduler when it fails a task instance
 itself (heartbeat timeout, stale executor event): a slow listener there widens the window between
 the scheduler's failure handling and its commit, which is the window the series is about. Each call
-appends one JSON line to ``$SOAK_LISTENER_FILE`` (default ``$AIRFLOW_HOME/listener.jsonl``).
+appends one JSON line to ``$SOAK_LISTENER_FILE`` (default ``$AIRFLOW_HOME/listener.jsonl``): the try,
+the process (pid), and when the call started and ended. With ``SOAK_LISTENER_SLEEP=0`` it only records
+(the soak's ``--listener openlineage``, where the OpenLineage provider's listener is the slow one).
 """
 
 from __future__ import annotations
@@ -42,15 +44,32 @@ def _listener_file() -> str:
     )
 
 
+_first_called: dict[int, float] = {}  # id(task_instance) -> when the first listener was called
+
+
+class _FirstFailureListener:
+    # tryfirst: runs before the other listeners (e.g. OpenLineage's) of the same call
+    @hookimpl(tryfirst=True)
+    def on_task_instance_failed(self, previous_state, task_instance, error):
+        _first_called[id(task_instance)] = time.time()
+
+
 class _SlowFailureListener:
-    @hookimpl
+    # trylast: runs after the other listeners, so ``ts_end - ts_first`` is how long all of them took
+    @hookimpl(trylast=True)
     def on_task_instance_failed(self, previous_state, task_instance, error):
         started = time.time()
+        first = _first_called.pop(id(task_instance), started)
         time.sleep(float(os.environ.get("SOAK_LISTENER_SLEEP", "5")))
         rec = {
+            "ts_first": first,
             "ts": started,
+            "ts_end": time.time(),
             "ti_id": str(getattr(task_instance, "id", "")),
+            "dag_id": getattr(task_instance, "dag_id", None),
+            "run_id": getattr(task_instance, "run_id", None),
             "task_id": getattr(task_instance, "task_id", None),
+            "map_index": getattr(task_instance, "map_index", -1),
             "try_number": getattr(task_instance, "try_number", None),
             "previous_state": str(previous_state),
             "pid": os.getpid(),
@@ -63,9 +82,10 @@ class _SlowFailureListener:
             os.close(fd)
 
 
+first_failure_listener = _FirstFailureListener()
 slow_failure_listener = _SlowFailureListener()
 
 
 class SoakSlowListenerPlugin(AirflowPlugin):
     name = "soak_slow_listener"
-    listeners = [slow_failure_listener]
+    listeners = [first_failure_listener, slow_failure_listener]

@@ -1,0 +1,87 @@
+"""tests/soak/run_soak.py: what it reads from real process titles and log lines, and its never-answering endpoint.
+
+The log lines are copied from a Celery soak of this project (Airflow 3.3.2, celery provider 3.26.0).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "soak"))
+import run_soak  # noqa: E402
+
+TI = "01a23120-159e-7540-b89f-2b4f98165017"
+
+
+def test_task_process_titles_of_both_executors():
+    for title in (
+        f"airflow worker -- LocalExecutor: {TI}",
+        f"airflow supervisor: {TI}",
+        f"airflow worker -- {TI}",
+    ):
+        m = run_soak.TITLE_RE.match(title)
+        assert m and m.group(3) == TI, title
+    for title in (
+        f"airflow scheduler {TI}",
+        "[celery worker-1@soak:ForkPoolWorker-1]",
+        "airflow celery worker",
+    ):
+        assert run_soak.TITLE_RE.match(title) is None, title
+
+
+def test_executor_failed_event_line():
+    line = (
+        "2026-12-01T10:24:23.613613Z [info     ] Received executor event with state failed for task instance "
+        "TaskInstanceKey(dag_id='soak_sensors', task_id='sensor_3', run_id='scheduled__2026-12-01T10:21:55.267805+00:00',"
+        " try_number=2, map_index=-1) [airflow.jobs.scheduler_job_runner.SchedulerJobRunner] loc=scheduler_job_runner.py:1488"
+    )
+    m = run_soak.EVENT_RE.search(line)
+    assert m.groups() == (
+        "soak_sensors",
+        "sensor_3",
+        "scheduled__2026-12-01T10:21:55.267805+00:00",
+        "2",
+        "-1",
+    )
+    assert run_soak.parse_log_ts(line) == pytest.approx(1796120663.613613)
+    assert run_soak.EVENT_RE.search(line.replace("state failed", "state success")) is None
+
+
+def test_access_log_line():
+    line = (
+        "2026-12-01T10:14:16.186113Z [info     ] request finished               [http.access] "
+        "client_addr=127.0.0.1:43832 duration_us=10053176 loc=http_access_log.py:130 method=PATCH "
+        f"path=/execution/task-instances/{TI}/run query= status_code=500"
+    )
+    m = run_soak.ACCESS_RE.search(line)
+    assert (m.group(1), run_soak.UUID_RE.sub("{id}", m.group(2)), m.group(3)) == (
+        "PATCH",
+        "/execution/task-instances/{id}/run",
+        "500",
+    )
+
+
+def test_histogram_counts_zero_one_more():
+    assert run_soak.histogram([0, 1, 1, 2, 5]) == {"0": 1, "1": 2, "more": 2}
+
+
+def test_openlineage_endpoint_accepts_and_never_answers():
+    soak = run_soak.Soak.__new__(run_soak.Soak)
+    soak.blackhole, soak.blackhole_conns, soak.blackhole_accepted = None, [], 0
+    port = soak._start_blackhole()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+            c.sendall(b"POST /api/v1/lineage HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            c.settimeout(1.0)
+            try:
+                data = c.recv(1)
+            except TimeoutError:
+                data = None
+            assert data is None, "the endpoint answered or closed the connection"
+    finally:
+        soak.blackhole.close()
+    assert soak.blackhole_accepted == 1
