@@ -22,7 +22,7 @@ from tests.unit.ti_race import make_running_tis
 
 pytestmark = pytest.mark.db_test
 
-PATCH = "Pass-the-caller-s-session-only-to-callback-sinks-that-accept-it.patch"
+PATCH = "Write-callback-requests-in-the-caller-s-transaction.patch"
 
 
 def on_failure(context):  # pragma: no cover

@@ -39,7 +39,7 @@ from tests.unit.ti_race import ExecutionApi, Worker, make_running_tis, read_rows
 
 pytestmark = pytest.mark.db_test
 
-PATCH = "Lock-and-re-read-the-TI-before-sending-executor-event-failure-callbacks.patch"
+PATCH = "Serialise-TI-failure-handling-with-the-execution-API-via-the-row-lock.patch"
 
 
 def on_failure(context):  # pragma: no cover - only its presence on the task matters

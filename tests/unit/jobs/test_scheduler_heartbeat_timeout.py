@@ -38,7 +38,7 @@ P_ROW_LOCK = "Row-lock-the-heartbeat-timeout-scan.patch"
 P_REVALIDATE = "Revalidate-heartbeat-timeouts-under-the-row-lock.patch"
 P_CALLBACK_TYPE = "Derive-heartbeat-timeout-callback-type-from-the-task.patch"
 P_FAIL_SAME_PASS = "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch"
-P_RELEASE = "Release-heartbeat-timed-out-tries-already-ended-from-the-executor.patch"
+
 
 # Frozen "now" when the task instances last heartbeat; the tests then move past the timeout.
 T0 = datetime(2026, 3, 2, 12, 0, 0, tzinfo=timezone.utc)
@@ -564,7 +564,7 @@ def test_fail_fast_stops_remaining_tasks_like_executor_event_path(
     assert by_scan_states == by_event_states
 
 
-@pytest.mark.proves(P_RELEASE)
+@pytest.mark.proves(P_FAIL_SAME_PASS)
 def test_fail_fast_in_the_pass_releases_the_other_timed_out_try(
     dag_maker, session, scheduler_job_runner, clock
 ):

@@ -35,7 +35,7 @@ from tests.unit.jobs.test_scheduler_survives_failure_handling import ForeignKeyV
 
 pytestmark = pytest.mark.db_test
 
-PATCH = "Contain-database-errors-of-the-heartbeat-timeout-purge-per-TI.patch"
+PATCH = "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch"
 
 T0 = datetime(2026, 3, 2, 12, 0, 0, tzinfo=timezone.utc)
 

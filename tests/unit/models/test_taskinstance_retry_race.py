@@ -30,7 +30,6 @@ available; its InnoDB locking reads behave like MariaDB's for these statements.
 from __future__ import annotations
 
 import logging
-import re
 import sqlite3
 
 import pytest
@@ -46,7 +45,6 @@ from tests.unit.ti_race import (
     WAIT,
     ExecutionApi,
     Pause,
-    StatementLog,
     Worker,
     lock_waiters,
     make_running_tis,
@@ -175,44 +173,9 @@ def handle_failure_of(key, task):
 
 
 # ---------------------------------------------------------------------------------------------
-# Patch 1: the task_reschedule delete is adjacent to the statement that changes ti.id
+# Patch 1: the task_reschedule delete and the id change are flushed together
 # ---------------------------------------------------------------------------------------------
-def _clear(ti, session):
-    clear_task_instances([ti], session)
-    session.commit()
-
-
-def _fail(ti, session):
-    ti.handle_failure("task failed (test)", session=session)
-
-
 @pytest.mark.proves(P1)
-@pytest.mark.parametrize("caller", [_fail, _clear], ids=["handle_failure", "clear_task_instances"])
-def test_reschedule_delete_runs_right_before_id_change(dag_maker, session, listener_manager, caller):
-    """The DELETE of the old id's task_reschedule rows is the statement right before the UPDATE of the id."""
-    listener_manager.add_listener(CallListener())
-    (ti,) = make_running_tis(dag_maker, session, dag_id="adjacent")
-    old_id = ti.id
-    statements = StatementLog()
-    try:
-        caller(ti, session)
-    finally:
-        statements.remove()
-
-    deletes = [i for i, s in enumerate(statements.statements) if s.startswith("DELETE FROM task_reschedule")]
-    assert deletes, statements.statements
-    for i in deletes:
-        following = statements.statements[i + 1] if i + 1 < len(statements.statements) else "<none>"
-        assert re.match(r"UPDATE task_instance SET .*\bid\s*=", following), (
-            f"statement after {statements.statements[i]!r} is {following!r}, not the UPDATE of the id"
-        )
-    assert read_rows(*_key(ti)).ti_id != old_id
-
-
-# ---------------------------------------------------------------------------------------------
-# Patch 2: the two writers are serialised by the TI row lock
-# ---------------------------------------------------------------------------------------------
-@pytest.mark.proves(P2)
 @pytest.mark.backend("postgres", "mysql")
 def test_reschedule_committed_while_failure_listener_runs(dag_maker, session, listener_manager, api):
     """
@@ -220,9 +183,9 @@ def test_reschedule_committed_while_failure_listener_runs(dag_maker, session, li
 
     On 3.3.2 the API commits its task_reschedule row for the old id during the listener and the
     flush fails: postgres ``ForeignKeyViolation ... task_reschedule_ti_fkey``, MariaDB/MySQL
-    ``(1451, 'Cannot delete or update a parent row ...')``. With only the delete moved next to the
-    flush, the API's committed reschedule is deleted and overwritten although it answered 204.
-    With the row lock, the API waits for failure handling and gets 404.
+    ``(1451, 'Cannot delete or update a parent row ...')``. With the delete and the new id flushed
+    before the listeners run, the API's locking read waits for the updated row and then finds no
+    task instance with the old id: 404, the failure won.
     """
     (ti,) = make_running_tis(dag_maker, session, dag_id="listener_race")
     old_id = ti.id
@@ -241,6 +204,9 @@ def test_reschedule_committed_while_failure_listener_runs(dag_maker, session, li
     assert assert_consistent(read_rows(*_key(ti)), old_id, status) == "failure won"
 
 
+# ---------------------------------------------------------------------------------------------
+# Patch 2: the two writers are serialised by the TI row lock
+# ---------------------------------------------------------------------------------------------
 @pytest.mark.proves(P2)
 @pytest.mark.backend("postgres", "mysql")
 def test_api_takes_row_lock_first(dag_maker, session, listener_manager, api, pauses):
@@ -311,9 +277,10 @@ def test_sqlite_reschedule_while_failure_listener_runs(dag_maker, session, liste
     The reported race on SQLite, which has no row locks: on 3.3.2 failure handling has already
     written (its task_reschedule DELETE) when the listener runs, so SQLite's database lock makes
     the API wait out its busy timeout and fail (``database is locked``); the scheduler survives.
-    With the delete moved to the flush (and a FOR UPDATE that SQLite does not emit), nothing is
-    written yet: the API commits (204) and its reschedule is then overwritten by the retry. Only
-    running the listeners after the commit makes the outcome consistent: the API gets 404.
+    With the delete and the new id flushed before the listeners (and a FOR UPDATE that SQLite does
+    not emit), the same holds: the API waits for the database lock the open transaction holds and
+    answers 500. Only running the listeners after the commit makes the outcome consistent: the API
+    gets 404.
     """
     (ti,) = make_running_tis(dag_maker, session, dag_id="sqlite_listener_race")
     old_id = ti.id
@@ -369,7 +336,7 @@ def test_sqlite_reschedule_between_failure_read_and_write_is_overwritten(
     )
 
 
-@pytest.mark.proves(P1, base_ok_on=("mysql",))
+@pytest.mark.proves(P2, base_ok_on=("mysql",))
 @pytest.mark.backend("postgres", "mysql")
 def test_clearing_running_sensor_while_reschedule_in_flight(dag_maker, session, api, pauses):
     """
