@@ -1,13 +1,15 @@
-"""The nox sessions with a DSN given like breeze does, and the tree lock (issue 15, cases 4, 5, 9).
+"""The nox sessions with a DSN given like breeze does, SIGHUP and the tree lock (issue 15, cases 4, 5, 7, 9).
 
 Runs real `nox` sessions of this project (its airflow-core/ and .nox/ venvs, built on first use) against a
-throwaway PostgreSQL holding Airflow's schema and one row of the operator's data. Slow (about a minute).
+throwaway PostgreSQL holding Airflow's schema and one row of the operator's data. Slow (a few minutes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -107,3 +109,35 @@ def test_second_session_does_not_move_the_tree_while_one_holds_it():
         assert "airflow-core/ is in use by nox -s verify-series-postgres" in proc.stdout + proc.stderr
     finally:
         holder.communicate("", timeout=30)
+
+
+def test_sighup_stops_the_session_its_server_and_removes_its_folders(tmp_path: Path):
+    """A closed terminal (SIGHUP to nox) while the tests run: no server, no temporary folder is left."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    tmp_path.chmod(0o755)
+    tmp.chmod(0o755)  # the postgres user must reach the server's folder inside it
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "BACKEND")
+    }
+    proc = subprocess.Popen([NOX, "-f", str(ROOT / "noxfile.py"), "-s", "tests-postgres", "--", ONE_TEST],
+                            cwd=ROOT, env={**clean, "TMPDIR": str(tmp)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        for line in proc.stderr:  # nox's log; bounded by the timeout of communicate() below
+            if line.startswith("nox > pytest "):
+                break
+        pidfiles = list(tmp.glob("airflow-series-postgres.*/data/postmaster.pid"))
+        assert len(pidfiles) == 1, "the throwaway server is not running"
+        postmaster = int(pidfiles[0].read_text().split()[0])
+        proc.send_signal(signal.SIGHUP)
+        proc.communicate(timeout=120)
+        with pytest.raises(ProcessLookupError):
+            os.kill(postmaster, 0)
+        assert list(tmp.iterdir()) == [], "temporary folders are left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pidfile in tmp.glob("*/data/postmaster.pid"):  # what a failing run left: stop it
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
