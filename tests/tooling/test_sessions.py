@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,16 @@ def test_second_session_does_not_move_the_tree_while_one_holds_it():
         holder.communicate("", timeout=30)
 
 
+def processes_with(variable: str) -> list[int]:
+    """Pids of processes whose environment holds ``variable`` (``NAME=value``)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError):
+            if variable.encode() in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+    return found
+
+
 def test_sighup_stops_the_session_its_server_and_removes_its_folders():
     """A closed terminal (SIGHUP to nox) while the tests run: no server, no temporary folder is left."""
     tmp = Path(tempfile.mkdtemp(prefix="sessions-test."))
@@ -136,6 +147,10 @@ def test_sighup_stops_the_session_its_server_and_removes_its_folders():
         proc.communicate(timeout=120)
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        deadline = time.monotonic() + 60
+        while users := processes_with(f"TMPDIR={tmp}"):  # a child nox started must not outlive it
+            assert time.monotonic() < deadline, f"processes of the session are still running: {users}"
+            time.sleep(0.2)  # polling for processes to exit, bounded
         assert list(tmp.iterdir()) == [], "temporary folders are left behind"
     finally:
         if proc.poll() is None:
