@@ -234,7 +234,10 @@ for _backend in ("postgres", "mysql"):  # not sqlite: LocalExecutor needs concur
 
 @nox.session
 def tooling(session: nox.Session) -> None:
-    """Test the project's own tools (tree, verify-series, trailers, status, export); no database."""
+    """Test the project's own tools (tree, verify-series, trailers, status, export, dbserver, sessions).
+
+    Some tests start throwaway servers and run the tests-postgres / tests-sqlite sessions themselves.
+    """
     session.install("pytest", "pytest-asyncio", "sqlalchemy", "psycopg2-binary")
     session.run("pytest", "tests/tooling", *session.posargs)
 

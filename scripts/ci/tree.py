@@ -183,9 +183,14 @@ def locked(root: Path, purpose: str):
 
 
 def exit_on_hangup() -> None:
-    """Make SIGTERM and SIGHUP unwind like Ctrl-C (KeyboardInterrupt), so ``finally`` clean-ups run."""
+    """Make SIGTERM and SIGHUP act like Ctrl-C: SIGINT to our child processes (as a terminal sends it to
+    the whole process group), KeyboardInterrupt here, so ``finally`` clean-ups run and no child outlives us."""
 
     def interrupt(signum, frame):
+        for children in Path("/proc/self/task").glob("*/children"):  # Linux
+            for pid in children.read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGINT)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     for sig in (signal.SIGTERM, signal.SIGHUP):

@@ -1,15 +1,20 @@
-"""The nox sessions with a DSN given like breeze does, and the tree lock (issue 15, cases 4, 5, 9).
+"""The nox sessions with a DSN given like breeze does, SIGHUP and the tree lock (issue 15, cases 4, 5, 7, 9).
 
 Runs real `nox` sessions of this project (its airflow-core/ and .nox/ venvs, built on first use) against a
-throwaway PostgreSQL holding Airflow's schema and one row of the operator's data. Slow (about a minute).
+throwaway PostgreSQL holding Airflow's schema and one row of the operator's data. Slow (a few minutes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +112,50 @@ def test_second_session_does_not_move_the_tree_while_one_holds_it():
         assert "airflow-core/ is in use by nox -s verify-series-postgres" in proc.stdout + proc.stderr
     finally:
         holder.communicate("", timeout=30)
+
+
+def processes_with(variable: str) -> list[int]:
+    """Pids of processes whose environment holds ``variable`` (``NAME=value``)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError):
+            if variable.encode() in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+    return found
+
+
+def test_sighup_stops_the_session_its_server_and_removes_its_folders():
+    """A closed terminal (SIGHUP to nox) while the tests run: no server, no temporary folder is left."""
+    tmp = Path(tempfile.mkdtemp(prefix="sessions-test."))
+    tmp.chmod(0o755)  # the postgres user must reach the server's folder inside it
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "BACKEND")
+    }
+    proc = subprocess.Popen([NOX, "-f", str(ROOT / "noxfile.py"), "-s", "tests-postgres", "--", ONE_TEST],
+                            cwd=ROOT, env={**clean, "TMPDIR": str(tmp)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        log = []
+        for line in proc.stderr:  # nox's log, until pytest starts (or nox ends)
+            log.append(line)
+            if line.startswith("nox > pytest "):
+                break
+        pidfiles = list(tmp.glob("airflow-series-postgres.*/data/postmaster.pid"))
+        assert len(pidfiles) == 1, "the throwaway server is not running:\n" + "".join(log)
+        port = int(pidfiles[0].read_text().splitlines()[3])  # postmaster.pid: pid, data dir, start, port
+        proc.send_signal(signal.SIGHUP)
+        proc.communicate(timeout=120)
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        deadline = time.monotonic() + 60
+        while users := processes_with(f"TMPDIR={tmp}"):  # a child nox started must not outlive it
+            assert time.monotonic() < deadline, f"processes of the session are still running: {users}"
+            time.sleep(0.2)  # polling for processes to exit, bounded
+        assert list(tmp.iterdir()) == [], "temporary folders are left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pidfile in tmp.glob("*/data/postmaster.pid"):  # what a failing run left: stop it
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)
