@@ -1407,6 +1407,12 @@ def analyse_tries_and_services(
             api_5xx[f"{m.group(1)} {UUID_RE.sub('{id}', m.group(2))}"] += 1
 
     worker_lost = sum(soak.log_text(n).count("WorkerLostError") for n in soak.worker_names())
+    # HA: a scheduler whose heartbeat is older than scheduler_health_check_threshold (30 s) is taken
+    # for dead by the other one, which marks its job failed and adopts its tasks.
+    jobs_marked_failed = sum(
+        int(n) for n in re.findall(r"Marked (\d+) SchedulerJob instances as failed", text_log)
+    )
+    adopted = sum(int(n) for n in re.findall(r"Adopted the following (\d+) tasks", text_log))
     return {
         "executor": soak.args.executor,
         "schedulers": soak.args.schedulers,
@@ -1436,6 +1442,8 @@ def analyse_tries_and_services(
         "api_5xx_by_route": dict(api_5xx.most_common()),
         "worker_restarts": soak.restarts,
         "worker_lost_errors": worker_lost,
+        "scheduler_jobs_marked_failed": jobs_marked_failed,
+        "tasks_adopted": adopted,
         "openlineage_connections": soak.blackhole_accepted,
     }
 
@@ -1550,6 +1558,10 @@ def to_markdown(r: dict[str, Any]) -> str:
         (
             "scheduler heartbeat: largest gap per job (sampled every 1 s)",
             ", ".join(f"job {k}: {v} s" for k, v in r["scheduler_heartbeat_gap_max_s"].items()) or "none",
+        ),
+        (
+            "scheduler jobs marked failed by the other scheduler / tasks adopted",
+            f"{r['scheduler_jobs_marked_failed']} / {r['tasks_adopted']}",
         ),
         (
             "execution/API 5xx by route",
