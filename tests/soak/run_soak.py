@@ -1522,12 +1522,12 @@ def to_markdown(r: dict[str, Any]) -> str:
         ),
         ("stale executor SUCCESS events (log lines)", r["stale_success_events"]),
         (
-            "sensors failed by a stale executor event",
+            "sensors failed by a stale executor event (tries no fault hit)",
             f"{len(r['sensors_failed_by_stale_event'])} TIs, "
             f"{sum(len(x['tries_failed_by_stale_event']) for x in r['sensors_failed_by_stale_event'])} tries",
         ),
         (
-            "state-mismatch failures of tries a fault or worker restart hit (not counted as stale)",
+            "state-mismatch failures of tries a fault hit (SIGSTOP, kill or worker restart at any time of the try)",
             f"{len(r['state_mismatch_failures_after_a_fault'])} TIs, "
             f"{sum(len(x['tries_failed_after_a_fault_on_them']) for x in r['state_mismatch_failures_after_a_fault'])} tries",
         ),
