@@ -832,13 +832,15 @@ class Soak:
             return
         self.next_sample = now + 1.0
         from sqlalchemy import text
+        from sqlalchemy.exc import SQLAlchemyError
 
-        with self.engine.connect() as c:
-            rows = c.execute(
-                text(
-                    "SELECT id, latest_heartbeat FROM job WHERE job_type = 'SchedulerJob' AND state = 'running'"
-                )
-            ).all()
+        query = "SELECT id, latest_heartbeat FROM job WHERE job_type = 'SchedulerJob' AND state = 'running'"
+        try:
+            with self.engine.connect() as c:
+                rows = c.execute(text(query)).all()
+        except SQLAlchemyError as e:  # a sample less, not a failed soak
+            log(f"heartbeat sample failed: {type(e).__name__}")
+            return
         self.heartbeat_samples += 1
         for job_id, hb in rows:
             if hb is None:
@@ -864,6 +866,7 @@ class Soak:
                     f"no task process of ours after {self.args.warmup_timeout:.0f}s; see {self.home}/logs"
                 )
             self.check_components()
+            self.sample_heartbeats()  # from the start: a slow start-up can leave a scheduler's job stale too
             time.sleep(1)
         self.t_start = time.monotonic()
         self.load_start = loadavg()
