@@ -34,14 +34,20 @@ What it does:
    dag-processor deletes ``callback`` rows it has run);
 2. starts ``airflow api-server``, ``airflow dag-processor`` and ``airflow scheduler`` on loopback
    ports (LocalExecutor, 20 s heartbeat timeout, 5 s detection interval), each in its own session
-   / process group;
+   / process group; ``--schedulers N`` runs N schedulers on the database; ``--executor celery`` adds a
+   throwaway ``redis-server`` broker on a free loopback port and ``--workers`` Celery workers (result
+   backend: the metadata database), restarted one after another during the run (SIGTERM warm
+   shutdown, some SIGKILL); ``--listener openlineage`` enables the OpenLineage provider's listener with
+   its HTTP transport on a loopback endpoint that never answers;
 3. runs a seeded, time-bounded chaos loop: every 3-8 s it SIGKILLs or SIGSTOPs (and later SIGCONTs)
    a task process it can identify as its own -- a descendant of its own scheduler, with its
    ``AIRFLOW_HOME`` in the environment and a process title ``airflow worker -- [LocalExecutor: ]<ti_id>``
    naming a RUNNING task instance of its own database. Exited components are restarted; a scheduler exit
    is recorded with the last error line of its log;
-4. stops everything it started (also on Ctrl-C, SIGTERM or failure), then scans for processes
-   carrying its ``AIRFLOW_HOME`` and kills and reports any orphan;
+4. stops everything it started (also on Ctrl-C, SIGTERM, SIGHUP or failure; the work runs in a child
+   process of its own session, so a caller that kills this process right after interrupting it does
+   not cut the shutdown short), then scans for processes carrying its ``AIRFLOW_HOME`` and kills and
+   reports any orphan;
 5. analyses the callback file, the audit table, the task-instance tables and the scheduler log,
    prints a report and writes it as Markdown (``REPORT.md``) and JSON (``REPORT.json``).
 
