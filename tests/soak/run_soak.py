@@ -35,14 +35,20 @@ What it does:
    dag-processor deletes ``callback`` rows it has run);
 2. starts ``airflow api-server``, ``airflow dag-processor`` and ``airflow scheduler`` on loopback
    ports (LocalExecutor, 20 s heartbeat timeout, 5 s detection interval), each in its own session
-   / process group;
+   / process group; ``--schedulers N`` runs N schedulers on the database; ``--executor celery`` adds a
+   throwaway ``redis-server`` broker on a free loopback port and ``--workers`` Celery workers (result
+   backend: the metadata database), restarted one after another during the run (SIGTERM warm
+   shutdown, some SIGKILL); ``--listener openlineage`` enables the OpenLineage provider's listener with
+   its HTTP transport on a loopback endpoint that never answers;
 3. runs a seeded, time-bounded chaos loop: every 3-8 s it SIGKILLs or SIGSTOPs (and later SIGCONTs)
    a task process it can identify as its own -- a descendant of its own scheduler, with its
    ``AIRFLOW_HOME`` in the environment and a process title ``airflow worker -- [LocalExecutor: ]<ti_id>``
    naming a RUNNING task instance of its own database. Exited components are restarted; a scheduler exit
    is recorded with the last error line of its log;
-4. stops everything it started (also on Ctrl-C, SIGTERM or failure), then scans for processes
-   carrying its ``AIRFLOW_HOME`` and kills and reports any orphan;
+4. stops everything it started (also on Ctrl-C, SIGTERM, SIGHUP or failure; the work runs in a child
+   process of its own session, so a caller that kills this process right after interrupting it does
+   not cut the shutdown short), then scans for processes carrying its ``AIRFLOW_HOME`` and kills and
+   reports any orphan;
 5. analyses the callback file, the audit table, the task-instance tables and the scheduler log,
    prints a report and writes it as Markdown (``REPORT.md``) and JSON (``REPORT.json``).
 
@@ -833,13 +839,15 @@ class Soak:
             return
         self.next_sample = now + 1.0
         from sqlalchemy import text
+        from sqlalchemy.exc import SQLAlchemyError
 
-        with self.engine.connect() as c:
-            rows = c.execute(
-                text(
-                    "SELECT id, latest_heartbeat FROM job WHERE job_type = 'SchedulerJob' AND state = 'running'"
-                )
-            ).all()
+        query = "SELECT id, latest_heartbeat FROM job WHERE job_type = 'SchedulerJob' AND state = 'running'"
+        try:
+            with self.engine.connect() as c:
+                rows = c.execute(text(query)).all()
+        except SQLAlchemyError as e:  # a sample less, not a failed soak
+            log(f"heartbeat sample failed: {type(e).__name__}")
+            return
         self.heartbeat_samples += 1
         for job_id, hb in rows:
             if hb is None:
@@ -865,6 +873,7 @@ class Soak:
                     f"no task process of ours after {self.args.warmup_timeout:.0f}s; see {self.home}/logs"
                 )
             self.check_components()
+            self.sample_heartbeats()  # from the start: a slow start-up can leave a scheduler's job stale too
             time.sleep(1)
         self.t_start = time.monotonic()
         self.load_start = loadavg()
@@ -1408,6 +1417,12 @@ def analyse_tries_and_services(
             api_5xx[f"{m.group(1)} {UUID_RE.sub('{id}', m.group(2))}"] += 1
 
     worker_lost = sum(soak.log_text(n).count("WorkerLostError") for n in soak.worker_names())
+    # HA: a scheduler whose heartbeat is older than scheduler_health_check_threshold (30 s) is taken
+    # for dead by the other one, which marks its job failed and adopts its tasks.
+    jobs_marked_failed = sum(
+        int(n) for n in re.findall(r"Marked (\d+) SchedulerJob instances as failed", text_log)
+    )
+    adopted = sum(int(n) for n in re.findall(r"Adopted the following (\d+) tasks", text_log))
     return {
         "executor": soak.args.executor,
         "schedulers": soak.args.schedulers,
@@ -1437,6 +1452,8 @@ def analyse_tries_and_services(
         "api_5xx_by_route": dict(api_5xx.most_common()),
         "worker_restarts": soak.restarts,
         "worker_lost_errors": worker_lost,
+        "scheduler_jobs_marked_failed": jobs_marked_failed,
+        "tasks_adopted": adopted,
         "openlineage_connections": soak.blackhole_accepted,
     }
 
@@ -1515,12 +1532,12 @@ def to_markdown(r: dict[str, Any]) -> str:
         ),
         ("stale executor SUCCESS events (log lines)", r["stale_success_events"]),
         (
-            "sensors failed by a stale executor event",
+            "sensors failed by a stale executor event (tries no fault hit)",
             f"{len(r['sensors_failed_by_stale_event'])} TIs, "
             f"{sum(len(x['tries_failed_by_stale_event']) for x in r['sensors_failed_by_stale_event'])} tries",
         ),
         (
-            "state-mismatch failures of tries a fault or worker restart hit (not counted as stale)",
+            "state-mismatch failures of tries a fault hit (SIGSTOP, kill or worker restart at any time of the try)",
             f"{len(r['state_mismatch_failures_after_a_fault'])} TIs, "
             f"{sum(len(x['tries_failed_after_a_fault_on_them']) for x in r['state_mismatch_failures_after_a_fault'])} tries",
         ),
@@ -1551,6 +1568,10 @@ def to_markdown(r: dict[str, Any]) -> str:
         (
             "scheduler heartbeat: largest gap per job (sampled every 1 s)",
             ", ".join(f"job {k}: {v} s" for k, v in r["scheduler_heartbeat_gap_max_s"].items()) or "none",
+        ),
+        (
+            "scheduler jobs marked failed by the other scheduler / tasks adopted",
+            f"{r['scheduler_jobs_marked_failed']} / {r['tasks_adopted']}",
         ),
         (
             "execution/API 5xx by route",
