@@ -50,9 +50,7 @@ class SessionOpeningListener:
     def on_task_instance_failed(self, previous_state, task_instance, error):
         with create_session() as s:
             self.sessions.append(id(s))
-            self.seen_states.append(
-                s.scalar(select(TI.state).where(TI.dag_id == task_instance.dag_id))
-            )
+            self.seen_states.append(s.scalar(select(TI.state).where(TI.dag_id == task_instance.dag_id)))
 
 
 @pytest.mark.proves(P_LISTENERS)

@@ -38,9 +38,9 @@ from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit import conftest
-from tests.unit.jobs.test_scheduler_heartbeat_timeout import (  # noqa: F401  (fixtures)
+from tests.unit.jobs import test_scheduler_heartbeat_timeout as heartbeat_tests
+from tests.unit.jobs.test_scheduler_heartbeat_timeout import (
     EMAIL_KWARGS,
-    clock,
     committed_requests,
     committed_state,
     email_requests,
@@ -48,13 +48,16 @@ from tests.unit.jobs.test_scheduler_heartbeat_timeout import (  # noqa: F401  (f
     on_failure,
     purge,
     task_callbacks,
-    timed_out_ti,
 )
 from tests.unit.ti_race import WAIT, Pause, Worker, lock_waiters, make_running_tis, wait_until
 
 PATCH = "Serialise-TI-failure-handling-with-the-execution-API-via-the-row-lock.patch"
 
 pytestmark = pytest.mark.db_test
+
+# Fixtures shared with the heartbeat-timeout tests: frozen clock, a timed-out TI factory.
+clock = heartbeat_tests.clock
+timed_out_ti = heartbeat_tests.timed_out_ti
 
 RUNNING = TaskInstanceState.RUNNING
 FAILED = TaskInstanceState.FAILED
@@ -255,7 +258,9 @@ def test_executor_event_set_state_does_not_commit_the_batch(dag_maker, session, 
             s.commit()
     dag_id = ti.dag_id
     session.expunge_all()
-    other = session.scalars(select(DagRun).where(DagRun.dag_id == dag_id)).one()  # held by the batch's session
+    other = session.scalars(
+        select(DagRun).where(DagRun.dag_id == dag_id)
+    ).one()  # held by the batch's session
 
     counter = CommitCounter(session)
     try:
@@ -313,7 +318,9 @@ def test_heartbeat_purge_skips_task_instance_deleted_after_revalidation(
 def heartbeat_logs(dag_id: str) -> int:
     with settings.NonScopedSession() as s:
         return s.scalar(
-            select(func.count()).select_from(Log).where(Log.dag_id == dag_id, Log.event == "heartbeat timeout")
+            select(func.count())
+            .select_from(Log)
+            .where(Log.dag_id == dag_id, Log.event == "heartbeat timeout")
         )
 
 
@@ -431,7 +438,10 @@ def test_concurrent_clears_of_overlapping_sets_finish(dag_maker, session):
         first.start()
         assert paused.reached.wait(WAIT), "the first clear took no row lock"
         second.start()
-        wait_until(lambda: second.done.is_set() or lock_waiters() > 0, "the second clear waits for a row lock or ends")
+        wait_until(
+            lambda: second.done.is_set() or lock_waiters() > 0,
+            "the second clear waits for a row lock or ends",
+        )
         paused.release()
         first.join_or_fail()
         second.join_or_fail()
