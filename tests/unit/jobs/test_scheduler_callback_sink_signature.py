@@ -1,14 +1,12 @@
 # Licensed under the Apache License, Version 2.0 (the "License"); see the Apache Airflow project.
 """
-Breaker: a callback sink with the 3.3.2 signature ``send(self, callback)`` now raises TypeError.
+A callback sink with the 3.3.2 signature ``send(self, callback)`` keeps working (guard).
 
-``Write-callback-requests-in-the-caller-s-transaction.patch`` keeps executors that override
-``send_callback(self, request)`` working (``_send_callback`` inspects the executor's signature),
-but ``BaseExecutor.send_callback`` itself now calls ``self.callback_sink.send(request,
-session=session)`` without checking the *sink's* signature. ``callback_sink`` is a public,
-pluggable attribute (``BaseCallbackSink`` subclasses); a sink written against 3.3.2 makes every
-scheduler callback raise ``TypeError`` - in ``_process_executor_events`` that is not one of the
-errors the savepoint handler catches, so it leaves the scheduler loop.
+``callback_sink`` is a public, pluggable attribute (``BaseCallbackSink`` subclasses); the series
+gives ``BaseCallbackSink.send`` and ``BaseExecutor.send_callback`` a ``session`` keyword, and
+``BaseExecutor.send_callback`` must not pass it to a sink written against 3.3.2 (``TypeError``
+is not one of the errors the executor-event savepoint handler catches: it would leave the
+scheduler loop). Holds on 3.3.2 and at every step of the series.
 """
 
 from __future__ import annotations
@@ -21,8 +19,6 @@ from airflow.utils.state import TaskInstanceState
 from tests.unit.ti_race import make_running_tis
 
 pytestmark = pytest.mark.db_test
-
-PATCH = "Write-callback-requests-in-the-caller-s-transaction.patch"
 
 
 def on_failure(context):  # pragma: no cover
@@ -39,7 +35,7 @@ class LegacySink(BaseCallbackSink):
         self.sent.append(callback)
 
 
-@pytest.mark.proves(PATCH)
+@pytest.mark.guard
 def test_callback_sink_with_332_signature_keeps_working(dag_maker, session, scheduler_job_runner):
     runner = scheduler_job_runner
     sink = LegacySink()

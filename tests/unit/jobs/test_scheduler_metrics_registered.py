@@ -30,6 +30,8 @@ def test_scheduler_metrics_are_declared_in_the_registry():
     assert "scheduler_heartbeat" in emitted  # the pattern finds the scheduler's metrics at all
     registry = MetricsRegistry()
     undeclared = sorted(name for name in emitted if registry.get(name) is None)
-    assert undeclared == [], f"emitted by the scheduler but not declared in metrics_template.yaml: {undeclared}"
+    assert undeclared == [], (
+        f"emitted by the scheduler but not declared in metrics_template.yaml: {undeclared}"
+    )
     assert "scheduler.tasks.stale_executor_events" in emitted
     assert registry.get("scheduler.tasks.stale_executor_events")["type"] == "counter"

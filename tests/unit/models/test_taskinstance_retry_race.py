@@ -336,18 +336,20 @@ def test_sqlite_reschedule_between_failure_read_and_write_is_overwritten(
     )
 
 
-@pytest.mark.proves(P2, base_ok_on=("mysql",))
+@pytest.mark.proves(P2)
 @pytest.mark.backend("postgres", "mysql")
 def test_clearing_running_sensor_while_reschedule_in_flight(dag_maker, session, api, pauses):
     """
     Another caller of ``prepare_db_for_next_try``: clearing the TI of a running sensor
     (``clear_task_instances``: try history, delete, new id, ``restarting``) while the API holds the
-    TI row lock with its task_reschedule row written. Clearing must wait and then win: new id,
-    ``restarting``, no task_reschedule row, one history row, no error.
+    TI row lock with its task_reschedule row written. Clearing must wait, then clear the task
+    instance as the API left it (up_for_reschedule, no longer running, so cleared to no state rather
+    than ``restarting``): new id, no task_reschedule row, one history row, no error.
 
     On 3.3.2, postgres: the UPDATE of the id fails with ForeignKeyViolation on the API's committed
-    row. MariaDB is not vulnerable here: clearing's early DELETE waits for the API's uncommitted
-    row (InnoDB locks it) and deletes it after the commit.
+    row. MariaDB: clearing's early DELETE waits for the API's uncommitted row (InnoDB locks it),
+    deletes it after the commit and then writes ``restarting``, decided from the state it read
+    before the API's commit, over the committed ``up_for_reschedule``.
     """
     (ti,) = make_running_tis(dag_maker, session, dag_id="clear_race")
     old_id = ti.id
@@ -377,7 +379,7 @@ def test_clearing_running_sensor_while_reschedule_in_flight(dag_maker, session, 
     assert clearing.error is None, f"clearing raised {clearing.error!r}"
     assert status == 204
     rows = read_rows(*key)
-    assert rows.state == TaskInstanceState.RESTARTING, rows
+    assert rows.state is None, rows
     assert rows.ti_id != old_id, rows
     assert rows.reschedule_ti_ids == [], rows
     assert rows.history_tries == [1], rows

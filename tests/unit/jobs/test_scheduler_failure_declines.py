@@ -1,0 +1,455 @@
+# Licensed under the Apache License, Version 2.0 (the "License"); see the Apache Airflow project.
+"""
+Failure handling declines a try another writer has already dealt with, and then writes nothing.
+
+``TaskInstance._lock_for_failure_handling`` locks the task instance row by its ``id`` and
+compares it with what the caller saw (upstream #71923, #42553). These tests drive the scheduler's
+two failure paths (``_process_executor_events`` and the heartbeat-timeout purge) while another
+connection changes the row at a chosen point:
+
+* the task instance is deleted (its DAG run deleted by a user) after the batch or scan read it:
+  nothing is written for it and the scheduler goes on (before: ``StaleDataError``, the scheduler
+  loop exits);
+* the worker commits SUCCESS after the purge revalidated the row (no row lock there: SQLite,
+  MariaDB): no callback, email request, log row or executor FAILED for a try that did not fail;
+* the try moved on (retried and running again, same state, new id and try number): the event
+  of the old try does not fail the new one;
+* the batch's ``set_state`` calls use the batch's session and do not commit it.
+
+The other connection writes from a SQLAlchemy ``after_commit`` hook of the scheduler's session
+(after the first event's failure handling committed, so the batch's row locks are released) or
+from an ``after_cursor_execute`` hook on a chosen statement; nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from sqlalchemy import delete, event, func, select, update
+
+from airflow import settings
+from airflow._shared.timezones import timezone
+from airflow.models.dagrun import DagRun
+from airflow.models.log import Log
+from airflow.models.serialized_dag import SerializedDagModel
+from airflow.models.taskinstance import TaskInstance as TI, clear_task_instances
+from airflow.providers.standard.operators.empty import EmptyOperator
+from airflow.utils.state import TaskInstanceState
+
+from tests.unit import conftest
+from tests.unit.jobs import test_scheduler_heartbeat_timeout as heartbeat_tests
+from tests.unit.jobs.test_scheduler_heartbeat_timeout import (
+    EMAIL_KWARGS,
+    committed_requests,
+    committed_state,
+    email_requests,
+    failed_keys,
+    on_failure,
+    purge,
+    task_callbacks,
+)
+from tests.unit.ti_race import WAIT, Pause, Worker, lock_waiters, make_running_tis, wait_until
+
+PATCH = "Serialise-TI-failure-handling-with-the-execution-API-via-the-row-lock.patch"
+
+pytestmark = pytest.mark.db_test
+
+# Fixtures shared with the heartbeat-timeout tests: frozen clock, a timed-out TI factory.
+clock = heartbeat_tests.clock
+timed_out_ti = heartbeat_tests.timed_out_ti
+
+RUNNING = TaskInstanceState.RUNNING
+FAILED = TaskInstanceState.FAILED
+SUCCESS = TaskInstanceState.SUCCESS
+UP_FOR_RETRY = TaskInstanceState.UP_FOR_RETRY
+RESTARTING = TaskInstanceState.RESTARTING
+
+# The heartbeat purge's revalidation read (``_revalidate_task_instance_without_heartbeat``).
+REVALIDATION = r"SELECT task_instance\.state, task_instance\.try_number, task_instance\.last_heartbeat_at"
+
+
+def _on_retry(context):  # pragma: no cover - only its presence on the task matters
+    pass
+
+
+class AfterStatement:
+    """Run ``action`` once, on this thread, right after its first statement matching ``pattern``."""
+
+    def __init__(self, pattern: str, action) -> None:
+        import re
+
+        self.regex = re.compile(pattern, re.IGNORECASE | re.DOTALL)
+        self.action = action
+        self.thread = threading.current_thread()
+        self.fired = False
+        event.listen(settings.engine, "after_cursor_execute", self._after)
+
+    def _after(self, conn, cursor, statement, parameters, context, executemany) -> None:
+        if self.fired or threading.current_thread() is not self.thread or not self.regex.search(statement):
+            return
+        self.fired = True
+        self.action()
+
+    def remove(self) -> None:
+        event.remove(settings.engine, "after_cursor_execute", self._after)
+
+
+def two_failed_events(dag_maker, session, runner, prefix: str) -> dict[str, TI]:
+    """Two running TIs in two DAG runs (two DAGs), a FAILED executor event for each; by dag_id."""
+    tis = {}
+    for name in ("a", "b"):
+        (ti,) = make_running_tis(
+            dag_maker,
+            session,
+            dag_id=f"{prefix}_{name}",
+            queued_by_job_id=runner.job.id,
+            on_retry_callback=_on_retry,
+        )
+        runner.executor.event_buffer[ti.key] = (FAILED, None)
+        tis[ti.dag_id] = ti
+    session.expunge_all()
+    return tis
+
+
+class OnFirstCommit:
+    """Run ``action()`` (on its own connection) once, right after ``session``'s first commit."""
+
+    def __init__(self, session, action) -> None:
+        self.session = session
+        self.action = action
+        self.fired = False
+        event.listen(session, "after_commit", self._after_commit)
+
+    def _after_commit(self, session) -> None:
+        # SQLAlchemy also fires after_commit when a savepoint is released: only a real commit counts.
+        if not self.fired and session.get_nested_transaction() is None:
+            self.fired = True
+            self.action()
+
+    def remove(self) -> None:
+        event.remove(self.session, "after_commit", self._after_commit)
+
+
+def rows(dag_id: str) -> list:
+    with settings.NonScopedSession() as s:
+        return s.execute(select(TI.id, TI.state, TI.try_number).where(TI.dag_id == dag_id)).all()
+
+
+def callbacks_of(dag_id: str) -> list:
+    return [r for r in committed_requests() if getattr(r, "ti", None) and r.ti.dag_id == dag_id]
+
+
+def running_dag_ids(dag_ids) -> list[str]:
+    with settings.NonScopedSession() as s:
+        return list(s.scalars(select(TI.dag_id).where(TI.dag_id.in_(dag_ids), TI.state == RUNNING)))
+
+
+@pytest.mark.proves(PATCH)
+def test_task_instance_deleted_mid_batch_is_skipped(dag_maker, session, scheduler_job_runner):
+    """
+    The DAG run of the second TI of an executor-event batch is deleted once the first event's
+    failure handling committed. The second event finds no row: nothing is written for it, no
+    callback is sent, the batch goes on. Before: ``refresh_from_db`` set ``state=None`` on the
+    object and the next flush updated a missing row: ``StaleDataError``, out of the scheduler loop.
+    """
+    runner = scheduler_job_runner
+    tis = two_failed_events(dag_maker, session, runner, "deleted_mid_batch")
+    deleted: list[str] = []
+
+    def delete_the_other() -> None:
+        (victim,) = running_dag_ids(tis)
+        with settings.NonScopedSession() as s:
+            s.execute(delete(TI).where(TI.dag_id == victim))
+            s.execute(delete(DagRun).where(DagRun.dag_id == victim))
+            s.commit()
+        deleted.append(victim)
+
+    hook = OnFirstCommit(session, delete_the_other)
+    try:
+        runner._process_executor_events(executor=runner.executor, session=session)
+        session.commit()
+    finally:
+        hook.remove()
+    assert hook.fired and deleted, "no commit happened in the batch"
+    (victim,) = deleted
+    (survivor,) = set(tis) - {victim}
+    assert rows(victim) == []
+    assert [(r.state, r.try_number) for r in rows(survivor)] == [(UP_FOR_RETRY, 1)]
+    assert callbacks_of(victim) == []
+    assert len(callbacks_of(survivor)) == 1
+    assert runner.executor.event_buffer == {}
+
+
+@pytest.mark.proves(PATCH)
+def test_event_of_a_try_that_moved_on_does_not_fail_the_new_try(dag_maker, session, scheduler_job_runner):
+    """
+    The second TI of the batch is retried and running again (new id, try 2, RUNNING: the state
+    the batch saw) once the first event's failure handling committed. The FAILED event of try 1
+    must not fail try 2. Before: the decline compared the state only, and ``refresh_from_db``
+    (by dag/task/run/map index) re-read the new try: try 2 was failed and got a callback.
+    """
+    runner = scheduler_job_runner
+    tis = two_failed_events(dag_maker, session, runner, "moved_on")
+    moved: list[str] = []
+
+    def retry_and_restart_the_other() -> None:
+        (victim,) = running_dag_ids(tis)
+        with settings.NonScopedSession() as s:
+            ti = s.scalars(select(TI).where(TI.dag_id == victim)).one()
+            ti.prepare_db_for_next_try(s)
+            ti.try_number = 2
+            ti.state = RUNNING
+            s.commit()
+        moved.append(victim)
+
+    hook = OnFirstCommit(session, retry_and_restart_the_other)
+    try:
+        runner._process_executor_events(executor=runner.executor, session=session)
+        session.commit()
+    finally:
+        hook.remove()
+    assert hook.fired and moved
+    (victim,) = moved
+    (survivor,) = set(tis) - {victim}
+    assert [(r.state, r.try_number) for r in rows(victim)] == [(RUNNING, 2)]
+    assert callbacks_of(victim) == []
+    assert [(r.state, r.try_number) for r in rows(survivor)] == [(UP_FOR_RETRY, 1)]
+    assert len(callbacks_of(survivor)) == 1
+
+
+class CommitCounter:
+    def __init__(self, session) -> None:
+        self.session = session
+        self.commits = 0
+        event.listen(session, "after_commit", self._count)
+
+    def _count(self, session) -> None:
+        # SQLAlchemy also fires after_commit when a savepoint is released: only a real commit counts.
+        if session.get_nested_transaction() is None:
+            self.commits += 1
+
+    def remove(self) -> None:
+        event.remove(self.session, "after_commit", self._count)
+
+
+@pytest.mark.proves(PATCH)
+@pytest.mark.parametrize("case", ["restarting_success", "dag_not_found"])
+def test_executor_event_set_state_does_not_commit_the_batch(dag_maker, session, scheduler_job_runner, case):
+    """
+    ``_process_executor_events`` sets the state of a cleared TI whose process ended (RESTARTING +
+    SUCCESS) and of a TI whose DAG is gone (marked with the event's state) with ``set_state``.
+    Given the batch's session, that is a flush: the batch's transaction (and the row lock taken
+    for the event) is not committed, and the session is not closed. Before: ``set_state`` without
+    ``session`` committed and closed the thread's scoped session, the batch's own.
+    """
+    runner = scheduler_job_runner
+    (ti,) = make_running_tis(dag_maker, session, dag_id=f"set_state_{case}", queued_by_job_id=runner.job.id)
+    if case == "restarting_success":
+        ti.state = RESTARTING
+        session.commit()
+        runner.executor.event_buffer[ti.key] = (SUCCESS, None)
+        expected = None
+    else:
+        runner.executor.event_buffer[ti.key] = (FAILED, None)
+        expected = FAILED
+        with settings.NonScopedSession() as s:
+            s.execute(delete(SerializedDagModel).where(SerializedDagModel.dag_id == ti.dag_id))
+            s.commit()
+    dag_id = ti.dag_id
+    session.expunge_all()
+    other = session.scalars(
+        select(DagRun).where(DagRun.dag_id == dag_id)
+    ).one()  # held by the batch's session
+
+    counter = CommitCounter(session)
+    try:
+        runner._process_executor_events(executor=runner.executor, session=session)
+    finally:
+        counter.remove()
+    assert counter.commits == 0, "the batch's session was committed by set_state"
+    assert other in session, "the batch's session was closed"
+    session.commit()
+    assert [r.state for r in rows(dag_id)] == [expected]
+
+
+# ---------------------------------------------------------------------------------------------
+# The heartbeat-timeout purge
+# ---------------------------------------------------------------------------------------------
+def skip_where_the_scan_locks(session) -> None:
+    if conftest.dialect_locks_rows(session):
+        pytest.skip(
+            "the scan's and revalidation's FOR UPDATE SKIP LOCKED hold the row until the purge commits: "
+            "another writer waits, there is no window (tests of the row-lock patch)"
+        )
+
+
+@pytest.mark.proves(PATCH)
+def test_heartbeat_purge_skips_task_instance_deleted_after_revalidation(
+    dag_maker, session, scheduler_job_runner, clock, timed_out_ti
+):
+    """
+    Where the purge takes no row lock before failing a TI (SQLite, MariaDB), the TI's DAG run is
+    deleted after revalidation read it. Nothing is written or sent for it and the purge ends
+    normally. Before: failure handling's ``refresh_from_db`` set ``state=None`` and the commit
+    flushed an UPDATE of the missing row: ``StaleDataError`` out of the scheduler loop.
+    """
+    skip_where_the_scan_locks(session)
+    runner = scheduler_job_runner
+    dr, ti_id = timed_out_ti("hb_deleted", on_failure_callback=on_failure, retries=1, **EMAIL_KWARGS)
+
+    def delete_run() -> None:
+        with settings.NonScopedSession() as s:
+            s.execute(delete(TI).where(TI.id == ti_id))
+            s.execute(delete(DagRun).where(DagRun.id == dr.id))
+            s.commit()
+
+    hook = AfterStatement(REVALIDATION, delete_run)
+    try:
+        purge(runner)
+    finally:
+        hook.remove()
+    assert hook.fired
+    assert rows("hb_deleted") == []
+    assert callbacks_of("hb_deleted") == []
+    assert failed_keys(runner) == []
+
+
+def heartbeat_logs(dag_id: str) -> int:
+    with settings.NonScopedSession() as s:
+        return s.scalar(
+            select(func.count())
+            .select_from(Log)
+            .where(Log.dag_id == dag_id, Log.event == "heartbeat timeout")
+        )
+
+
+@pytest.mark.proves(PATCH)
+def test_heartbeat_purge_writes_nothing_for_a_try_that_succeeded_after_revalidation(
+    dag_maker, session, scheduler_job_runner, clock, timed_out_ti
+):
+    """
+    Where revalidation is a plain read (SQLite, MariaDB), the worker commits SUCCESS right after
+    it. The try did not fail: no callback, no email request, no "heartbeat timeout" log row, the
+    executor is not told FAILED, the TI stays SUCCESS. Before: the callback, email request and
+    log row were added, ``handle_failure`` declined and committed them (and the purge told the
+    executor FAILED).
+    """
+    skip_where_the_scan_locks(session)
+    runner = scheduler_job_runner
+    dr, ti_id = timed_out_ti("hb_succeeded", on_failure_callback=on_failure, retries=1, **EMAIL_KWARGS)
+
+    def worker_succeeds() -> None:
+        with settings.NonScopedSession() as s:
+            s.execute(update(TI).where(TI.id == ti_id).values(state=SUCCESS, end_date=timezone.utcnow()))
+            s.commit()
+
+    hook = AfterStatement(REVALIDATION, worker_succeeds)
+    try:
+        purge(runner)
+    finally:
+        hook.remove()
+    assert hook.fired
+    assert committed_state(dr, "t") == SUCCESS
+    assert task_callbacks("t") == []
+    assert email_requests("t") == []
+    assert heartbeat_logs("hb_succeeded") == 0
+    assert failed_keys(runner) == []
+
+
+@pytest.mark.proves(PATCH)
+@pytest.mark.backend("sqlite")
+def test_heartbeat_purge_rolls_back_when_failure_handling_declines(
+    dag_maker, session, scheduler_job_runner, clock, timed_out_ti
+):
+    """
+    SQLite has no row locks: the worker can still commit SUCCESS between the purge's own check of
+    the row and failure handling's check, after the callback, email request and log row were
+    added. ``handle_failure`` then declines without committing, and the purge rolls back what it
+    added for the TI: nothing is committed, the executor is not told FAILED.
+    """
+    runner = scheduler_job_runner
+    dr, ti_id = timed_out_ti("hb_declined", on_failure_callback=on_failure, retries=1, **EMAIL_KWARGS)
+
+    def worker_succeeds() -> None:
+        with settings.NonScopedSession() as s:
+            s.execute(update(TI).where(TI.id == ti_id).values(state=SUCCESS, end_date=timezone.utcnow()))
+            s.commit()
+
+    # The purge's check of the row (_lock_for_failure_handling): the whole row, by id.
+    hook = AfterStatement(
+        r"^\s*SELECT task_instance\.id, task_instance\.task_id\b.*\bFROM task_instance\s+WHERE task_instance\.id = ",
+        worker_succeeds,
+    )
+    try:
+        purge(runner)
+    finally:
+        hook.remove()
+    assert hook.fired, "the purge did not check the row before failing it"
+    assert committed_state(dr, "t") == SUCCESS
+    assert task_callbacks("t") == []
+    assert email_requests("t") == []
+    assert heartbeat_logs("hb_declined") == 0
+    assert failed_keys(runner) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Concurrent clears of overlapping sets
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.proves(PATCH)
+@pytest.mark.backend("postgres", "mysql")
+def test_concurrent_clears_of_overlapping_sets_finish(dag_maker, session):
+    """
+    Two clears of the same two task instances, given in opposite orders. The first clear stops
+    right after its first row lock; the second then starts and waits for a row lock. Both must
+    finish without error. Before: retry preparation locked the rows in list order (first clear
+    holds a, waits for b; second holds b, waits for a): a deadlock, one clear fails
+    (PostgreSQL ``DeadlockDetected``, MariaDB 1213).
+    """
+    with dag_maker("concurrent_clears", session=session):
+        EmptyOperator(task_id="a")
+        EmptyOperator(task_id="b")
+    dr = dag_maker.create_dagrun()
+    for ti in dr.get_task_instances(session=session):
+        ti.state = SUCCESS
+    session.commit()
+    dag_id, run_id = dr.dag_id, dr.run_id
+
+    def clear(order):
+        def fn():
+            s = settings.Session()
+            try:
+                by_task = {
+                    ti.task_id: ti
+                    for ti in s.scalars(select(TI).where(TI.dag_id == dag_id, TI.run_id == run_id))
+                }
+                clear_task_instances([by_task[t] for t in order], s)
+                s.commit()
+            finally:
+                s.rollback()
+                settings.Session.remove()
+
+        return fn
+
+    first = Worker(clear(["a", "b"]), name="clear-a-b")
+    second = Worker(clear(["b", "a"]), name="clear-b-a")
+    paused = Pause(r"\bFOR UPDATE\b", thread=first)
+    try:
+        first.start()
+        assert paused.reached.wait(WAIT), "the first clear took no row lock"
+        second.start()
+        wait_until(
+            lambda: second.done.is_set() or lock_waiters() > 0,
+            "the second clear waits for a row lock or ends",
+        )
+        paused.release()
+        first.join_or_fail()
+        second.join_or_fail()
+    finally:
+        paused.release()
+        paused.remove()
+    assert first.error is None, f"the first clear raised {first.error!r}"
+    assert second.error is None, f"the second clear raised {second.error!r}"
+    with settings.NonScopedSession() as s:
+        states = s.execute(select(TI.task_id, TI.state).where(TI.dag_id == dag_id)).all()
+    assert sorted(states) == [("a", None), ("b", None)]
