@@ -41,7 +41,8 @@ from airflow.models.taskinstance import TaskInstance as TI
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit.ti_race import ExecutionApi
+from tests.unit import conftest
+from tests.unit.ti_race import WAIT, ExecutionApi, Pause, Worker, lock_waiters, wait_until
 
 pytestmark = pytest.mark.db_test
 
@@ -54,6 +55,11 @@ SUCCESS = TaskInstanceState.SUCCESS
 UP_FOR_RETRY = TaskInstanceState.UP_FOR_RETRY
 
 T0 = datetime(2026, 3, 2, 12, 0, 0, tzinfo=timezone.utc)
+
+# The route's first statement: the locking read of the task instance it updates.
+API_LOCKS_TI = r"^\s*SELECT\b.*\bFROM task_instance\b.*\bJOIN dag_run\b.*\bFOR UPDATE\b"
+# The heartbeat-timeout scan (row-locked, SKIP LOCKED, where with_row_locks locks).
+PURGE_SCAN_LOCKS = r"^\s*SELECT\b.*\bFROM task_instance\b.*\bSKIP LOCKED\b"
 
 
 def on_failure(context):  # pragma: no cover - only its presence on the task matters
@@ -215,6 +221,29 @@ def test_state_reported_by_task_process_gets_no_second_callback(
     assert callbacks_of_try(ti) == []
 
 
+@pytest.mark.guard
+def test_killed_process_reported_by_sdk_1_3_2_still_gets_no_callback(
+    dag_maker, session, api, scheduler_job_runner
+):
+    """
+    Known limitation, documented: task-sdk 1.3.2's supervisor reports the SIGKILLed last try as
+    ``failed`` without ``exited_without_reporting`` -- the same request as for a task process that
+    failed and ran its callback -- and LocalExecutor then reports ``success`` for the try. The server
+    cannot tell the two apart: no callback, until the supervisor sends the field.
+    """
+    runner = scheduler_job_runner
+    ti = running_try(
+        dag_maker, session, "sdk_1_3_2_kill", retries=1, try_number=2,
+        queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
+    )  # fmt: skip
+
+    assert report(api, ti.id, "failed") == 204
+    executor_event(runner, ti, SUCCESS)
+
+    assert committed_state(ti) == FAILED
+    assert callbacks_of_try(ti) == []
+
+
 @pytest.mark.proves(P)
 @pytest.mark.parametrize(
     ("state", "retries", "try_number", "task_kwargs"),
@@ -256,9 +285,7 @@ def test_repeated_report_requests_no_second_callback(dag_maker, session, api):
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.proves(P)
 @pytest.mark.parametrize("event", [SUCCESS, FAILED], ids=["event-success", "event-failed"])
-def test_report_then_executor_event_still_one_callback(
-    dag_maker, session, api, scheduler_job_runner, event
-):
+def test_report_then_executor_event_still_one_callback(dag_maker, session, api, scheduler_job_runner, event):
     """
     What a SIGKILL of the last try's task process produces with LocalExecutor: the supervisor's
     report, then the executor's event for the try (LocalExecutor reports ``success`` when the
@@ -315,6 +342,109 @@ def test_report_then_heartbeat_purge_still_one_callback(dag_maker, session, api,
         clock.shift(timedelta(seconds=runner._task_instance_heartbeat_timeout_secs + 60))
         purge(runner)
 
+    assert committed_state(ti) == FAILED
+    assert callbacks_of_try(ti) == [FAILED]
+
+
+@pytest.fixture
+def pauses():
+    made: list[Pause] = []
+
+    def make(*args, **kwargs) -> Pause:
+        pause = Pause(*args, **kwargs)
+        made.append(pause)
+        return pause
+
+    yield make
+    for pause in made:
+        pause.remove()
+
+
+@pytest.mark.proves(P)
+@pytest.mark.backend(
+    "postgres",
+    reason=(
+        "SQLite has no row locks. MariaDB: with_row_locks emits no lock, so the purge's revalidation "
+        "reads the row without waiting and sends its callback before handle_failure's own row lock "
+        "finds the try failed by the route: two callbacks (a defect of the purge on MariaDB, "
+        "measured with this test; on MySQL 8 revalidation's SKIP LOCKED skips the row)"
+    ),
+)
+def test_report_holding_row_lock_while_purge_runs_one_callback(
+    dag_maker, session, api, scheduler_job_runner, pauses
+):
+    """
+    The supervisor's report has read the running try under its row lock when a heartbeat-timeout
+    pass finds the same try timed out: the scan skips the locked row. One callback, the route's.
+    """
+    runner = scheduler_job_runner
+    with time_machine.travel(T0, tick=False) as clock:
+        ti = running_try(
+            dag_maker, session, "report_locks_first", retries=0, try_number=1,
+            queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
+        )  # fmt: skip
+        session.close()
+        clock.shift(timedelta(seconds=runner._task_instance_heartbeat_timeout_secs + 60))
+
+        api_call = Worker(
+            lambda: report(api, ti.id, "failed", exited_without_reporting=True), name="execution-api"
+        )
+        purger = Worker(lambda: purge(runner), name="scheduler")
+        # The route runs in a thread of the in-process transport: pause any thread but the purge's.
+        paused = pauses(API_LOCKS_TI, not_thread=purger)
+        api_call.start()
+        assert paused.reached.wait(WAIT), "the route never read the task instance"
+        purger.start()
+        wait_until(
+            lambda: purger.done.is_set() or lock_waiters() > 0, "the purge ends or waits for the row lock"
+        )
+        paused.release()
+        assert api_call.join_or_fail() == 204
+        purger.join_or_fail()
+
+    assert api_call.error is None, api_call.error
+    assert purger.error is None, purger.error
+    assert committed_state(ti) == FAILED
+    assert callbacks_of_try(ti) == [FAILED]
+
+
+@pytest.mark.proves(P)
+@pytest.mark.backend(
+    "postgres", reason="the heartbeat-timeout scan row-locks only where with_row_locks locks"
+)
+def test_purge_holding_row_lock_while_report_arrives_one_callback(
+    dag_maker, session, api, scheduler_job_runner, pauses
+):
+    """
+    The heartbeat-timeout scan holds the try's row lock when the supervisor's report arrives: the
+    route waits, then finds the try failed by the purge (200, as a repeated report). One callback,
+    the purge's.
+    """
+    runner = scheduler_job_runner
+    if not conftest.dialect_locks_rows(session):
+        pytest.skip(conftest.no_row_locks_reason(session))
+    with time_machine.travel(T0, tick=False) as clock:
+        ti = running_try(
+            dag_maker, session, "purge_locks_first", retries=0, try_number=1,
+            queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
+        )  # fmt: skip
+        session.close()
+        clock.shift(timedelta(seconds=runner._task_instance_heartbeat_timeout_secs + 60))
+
+        purger = Worker(lambda: purge(runner), name="scheduler")
+        paused = pauses(PURGE_SCAN_LOCKS, thread=purger)
+        purger.start()
+        assert paused.reached.wait(WAIT), "the purge never scanned"
+        api_call = Worker(
+            lambda: report(api, ti.id, "failed", exited_without_reporting=True), name="execution-api"
+        )
+        api_call.start()
+        wait_until(lambda: api_call.done.is_set() or lock_waiters() > 0, "the route waits for the row lock")
+        paused.release()
+        purger.join_or_fail()
+        assert api_call.join_or_fail() == 200
+
+    assert purger.error is None, purger.error
     assert committed_state(ti) == FAILED
     assert callbacks_of_try(ti) == [FAILED]
 
