@@ -47,6 +47,7 @@ from tests.unit.ti_race import WAIT, ExecutionApi, Pause, Worker, lock_waiters, 
 pytestmark = pytest.mark.db_test
 
 P = "Request-callbacks-for-a-task-process-that-exited-without-reporting.patch"
+P_FAIL_SAME_PASS = "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch"
 
 RUNNING = TaskInstanceState.RUNNING
 QUEUED = TaskInstanceState.QUEUED
@@ -477,8 +478,15 @@ def test_executor_event_of_running_try_one_callback(
     assert callbacks_of_try(ti) == [expected]
 
 
-@pytest.mark.guard
-@pytest.mark.parametrize("order", ["purge-first", "event-first"])
+@pytest.mark.parametrize(
+    "order",
+    [
+        # Before "Fail heartbeat-timed-out tries in the same pass" the purge left the try RUNNING and
+        # the executor event then sent a second callback (#42553).
+        pytest.param("purge-first", marks=pytest.mark.proves(P_FAIL_SAME_PASS)),
+        pytest.param("event-first", marks=pytest.mark.guard),
+    ],
+)
 def test_executor_event_and_heartbeat_purge_one_callback(dag_maker, session, scheduler_job_runner, order):
     """The chaos-run combination: the purge and the executor event of the same try, in either order."""
     runner = scheduler_job_runner
