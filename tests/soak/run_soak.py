@@ -1376,6 +1376,16 @@ def analyse_tries_and_services(
         for k in sorted(failed, key=str)
         if len(calls.get(k, [])) > 1
     ]
+    no_callback = [
+        {
+            "try": name(k),
+            "state": tis[k[0]]["state"]
+            if k[0] in tis and tis[k[0]]["try_number"] == k[1]
+            else tih.get(k[0], {}).get(k[1]),
+        }
+        for k in sorted(failed, key=str)
+        if not file_cbs.get((k[0], k[1]))
+    ]
     across = [
         {"try": name(k), "schedulers": sorted({r["side"] for r in v if r["side"].startswith("scheduler")})}
         for k, v in sorted(calls.items(), key=str)
@@ -1434,6 +1444,7 @@ def analyse_tries_and_services(
         "listener_calls_per_failed_try": histogram(listener_counts),
         "listener_calls_by_side": dict(sides),
         "tries_with_more_than_one_listener_call": more_listener,
+        "failed_tries_without_callback": no_callback,
         "tries_handled_by_two_schedulers": across,
         "scheduler_listener_s": {
             "calls": len(listener_s),
@@ -1621,6 +1632,7 @@ def to_markdown(r: dict[str, Any]) -> str:
             "tries_with_more_than_one_listener_call",
         ),
         ("Tries whose failure two schedulers handled", "tries_handled_by_two_schedulers"),
+        ("Failed tries without a failure/retry callback", "failed_tries_without_callback"),
         ("Worker restarts", "worker_restarts"),
         ("TIs with more tries than max_tries+1", "tis_over_max_tries"),
     ]

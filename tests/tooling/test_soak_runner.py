@@ -85,3 +85,66 @@ def test_openlineage_endpoint_accepts_and_never_answers():
     finally:
         soak.blackhole.close()
     assert soak.blackhole_accepted == 1
+
+
+def test_per_failed_try_counts(tmp_path):
+    """Failed tries come from task_instance + history; callbacks and listener calls are counted per try."""
+    import collections
+    import json
+    import types
+
+    calls = [
+        {
+            "dag_id": "d",
+            "run_id": "r",
+            "task_id": "t",
+            "try_number": 1,
+            "pid": 11,
+            "ts_first": 1.0,
+            "ts_end": 3.5,
+        },
+        {
+            "dag_id": "d",
+            "run_id": "r",
+            "task_id": "u",
+            "try_number": 2,
+            "pid": 12,
+            "ts_first": 1.0,
+            "ts_end": 2.0,
+        },
+        {
+            "dag_id": "d",
+            "run_id": "r",
+            "task_id": "u",
+            "try_number": 2,
+            "pid": 99,
+            "ts_first": 1.0,
+            "ts_end": 1.5,
+        },
+    ]
+    (tmp_path / "listener.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
+    soak = run_soak.Soak.__new__(run_soak.Soak)
+    soak.listener_file = tmp_path / "listener.jsonl"
+    soak.components = {
+        "scheduler": run_soak.Component("scheduler", [], tmp_path / "s.log", pids=[11]),
+        "scheduler-2": run_soak.Component("scheduler-2", [], tmp_path / "s2.log", pids=[12]),
+    }
+    soak.log_sizes_at_stop, soak.heartbeat_max, soak.heartbeat_samples = {}, {}, 0
+    soak.restarts, soak.blackhole_accepted, soak.celery = [], 0, False
+    soak.args = types.SimpleNamespace(
+        executor="local", schedulers=2, workers=3, worker_concurrency=2, listener="slow"
+    )
+    t, u = ("d", "r", "t", -1), ("d", "r", "u", -1)
+    tis = {t: {"state": "up_for_retry", "try_number": 1}, u: {"state": "failed", "try_number": 2}}
+    tih = collections.defaultdict(dict, {u: {1: "up_for_retry"}})
+    file_cbs = {(t, 1): [{}], (u, 2): [{}, {}]}
+
+    r = run_soak.analyse_tries_and_services(soak, tis, tih, file_cbs, "")
+
+    assert r["failed_tries"] == 3
+    assert r["callbacks_per_failed_try"] == {"0": 1, "1": 1, "more": 1}
+    assert r["listener_calls_per_failed_try"] == {"0": 1, "1": 1, "more": 1}
+    assert r["listener_calls_by_side"] == {"scheduler": 2, "task process": 1}
+    assert r["failed_tries_without_callback"] == [{"try": "d.u r try 1", "state": "up_for_retry"}]
+    assert r["tries_handled_by_two_schedulers"] == []
+    assert r["scheduler_listener_s"] == {"calls": 2, "median": 2.5, "max": 2.5, "total": 3.5}
