@@ -89,6 +89,9 @@ def test_reachable_database_is_reported_without_the_password(postgres: str):
 
 def test_deadline_holds_against_a_server_that_resets_then_hangs():
     """Three connections are reset, the next ones hang: the check must still end within its deadline."""
+    import psycopg2  # noqa: F401  (imported before the clock starts: a cold import takes seconds on a busy machine)
+    import sqlalchemy  # noqa: F401
+
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(16)

@@ -85,6 +85,20 @@ def test_database_holding_airflow_data_is_refused_and_the_password_never_printed
     assert SECRET not in first_run + out
 
 
+def test_pytest_run_directly_refuses_a_database_holding_airflow_data(given):
+    """The suite's own guard (tests/unit/conftest.py), for pytest run without nox on the operator's DSN."""
+    dsn, engine, _ = given
+    python = ROOT / ".nox" / "tests-postgres" / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("DB_RESET", "VIRTUAL_ENV", "AIRFLOW_HOME")}
+    env.update({"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": dsn, "BACKEND": "postgres"})
+    proc = subprocess.run([str(python), "-m", "pytest", "-p", "no:cacheprovider", ONE_TEST], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert connections(engine) == ["prod_db"]
+    assert proc.returncode == 4, out
+    assert "holds Airflow data (rows in connection): refusing to reset it" in out
+
+
 @pytest.mark.parametrize("backend", [None, "postgres"])
 def test_dsn_is_ignored_unless_backend_names_the_session(given, backend):
     dsn, engine, _ = given
