@@ -128,8 +128,12 @@ def in_database(
             tempfile.TemporaryDirectory(prefix="airflow-home.") as home,
         ):
             env = {DSN_ENV: dsn, "BACKEND": backend, "AIRFLOW_HOME": home, **extra}
-            session.run("python", "scripts/ci/dbserver.py", "check", env=env)
-            session.run(*command, env=env, success_codes=success_codes)
+            try:
+                session.run("python", "scripts/ci/dbserver.py", "check", env=env)
+                session.run(*command, env=env, success_codes=success_codes)
+            finally:
+                # On an interrupt, a command nox was starting may still run and write into home.
+                tree.stop_processes_with(f"AIRFLOW_HOME={home}")
 
 
 def backend_sessions(prefix: str, doc: str, command: tuple[str, ...]) -> None:

@@ -197,6 +197,30 @@ def exit_on_hangup() -> None:
         signal.signal(sig, interrupt)
 
 
+def stop_processes_with(variable: str, timeout: float = 30) -> None:
+    """Interrupt and wait (bounded) for every process whose environment holds ``variable`` (``NAME=value``).
+
+    A signal that lands while nox starts a command can leave that command running without nox knowing it;
+    called before a session's temporary folder is removed, so that nothing writes into it afterwards.
+    """
+    deadline = time.monotonic() + timeout
+    sig = signal.SIGINT
+    while True:
+        pids = []
+        for environ in Path("/proc").glob("[0-9]*/environ"):  # Linux
+            with contextlib.suppress(OSError):
+                if variable.encode() in environ.read_bytes().split(b"\0"):
+                    pids.append(int(environ.parent.name))
+        if not pids:
+            return
+        if time.monotonic() > deadline:
+            sig = signal.SIGKILL
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        time.sleep(0.2)  # polling for the processes to exit; bounded by the deadline and SIGKILL
+
+
 def git(tree: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **GIT_ENV}
     return subprocess.run(
