@@ -17,21 +17,19 @@ The window is real on every backend:
 
 The other writer here is the real execution API (``PATCH /task-instances/{id}/state`` with
 ``failed``, what a worker's supervisor sends when its task fails), driven on its own thread and
-connection. It is started from an ``on_task_instance_failed`` listener of the first TI - with the
-series listeners run right after the first event's commit, which is just the moment to place it
-deterministically.
+connection. It is started right after the first event's failure handling committed (an
+``after_commit`` hook of the scheduler's session), the moment the batch's row locks are released.
 """
 
 from __future__ import annotations
 
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import event, select
 
 from airflow import settings
 from airflow._shared.timezones import timezone
 from airflow.callbacks.callback_requests import EmailRequest, TaskCallbackRequest
-from airflow.listeners import hookimpl
 from airflow.models.db_callback_request import DbCallbackRequest
 from airflow.utils.state import TaskInstanceState
 
@@ -71,31 +69,36 @@ def api_fail(api: ExecutionApi, ti_id) -> int:
     return response.status_code
 
 
-class WorkerFailsOtherTiListener:
-    """On the first on_task_instance_failed call, the *other* TI's worker reports FAILED via the API."""
+class WorkerFailsOtherTiOnFirstCommit:
+    """After the scheduler session's first commit, the still-running TI's worker reports FAILED via the API."""
 
-    def __init__(self, api, ids_by_task):
+    def __init__(self, session, api, ids_by_task, keys):
+        self.session = session
         self.api = api
         self.ids_by_task = ids_by_task
+        self.keys = keys
         self.failed_first: str | None = None
         self.api_status: int | None = None
         self.other: str | None = None
+        event.listen(session, "after_commit", self._after_commit)
 
-    @hookimpl
-    def on_task_instance_failed(self, previous_state, task_instance, error):
-        if self.failed_first is not None:
+    def _after_commit(self, session):
+        # SQLAlchemy also fires after_commit when a savepoint is released: only a real commit counts.
+        if self.failed_first is not None or session.get_nested_transaction() is not None:
             return
-        self.failed_first = task_instance.task_id
-        (self.other,) = [t for t in self.ids_by_task if t != task_instance.task_id]
+        running = [t for t, key in self.keys.items() if read_rows(*key).state == TaskInstanceState.RUNNING]
+        (self.other,) = running
+        (self.failed_first,) = [t for t in self.keys if t != self.other]
         worker = Worker(lambda: api_fail(self.api, self.ids_by_task[self.other]), name="worker-api")
         worker.start()
         self.api_status = worker.join_or_fail()
 
+    def remove(self):
+        event.remove(self.session, "after_commit", self._after_commit)
+
 
 @pytest.mark.proves(PATCH)
-def test_no_callback_committed_when_handle_failure_declines(
-    dag_maker, session, scheduler_job_runner, listener_manager, api
-):
+def test_no_callback_committed_when_handle_failure_declines(dag_maker, session, scheduler_job_runner, api):
     runner = scheduler_job_runner
     executor = runner.executor
     tis = make_running_tis(
@@ -110,15 +113,18 @@ def test_no_callback_committed_when_handle_failure_declines(
         email_on_failure=True,
     )
     keys = {ti.task_id: (ti.dag_id, ti.task_id, ti.run_id, ti.map_index) for ti in tis}
-    listener = WorkerFailsOtherTiListener(api, {ti.task_id: ti.id for ti in tis})
-    listener_manager.add_listener(listener)
     for ti in tis:
         # The executor says both processes died (e.g. OOM-killed); no heartbeat timeout involved.
         executor.event_buffer[ti.key] = (TaskInstanceState.FAILED, None)
+    ids_by_task = {ti.task_id: ti.id for ti in tis}
     session.expunge_all()
 
-    runner._process_executor_events(executor=executor, session=session)
-    session.commit()
+    listener = WorkerFailsOtherTiOnFirstCommit(session, api, ids_by_task, keys)
+    try:
+        runner._process_executor_events(executor=executor, session=session)
+        session.commit()
+    finally:
+        listener.remove()
 
     assert listener.failed_first is not None, "no failure was handled"
     other = listener.other

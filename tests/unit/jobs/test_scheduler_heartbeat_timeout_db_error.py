@@ -1,19 +1,17 @@
 # Licensed under the Apache License, Version 2.0 (the "License"); see the Apache Airflow project.
 """
-Breaker: a database error in the purge's new ``handle_failure`` call escapes the scheduler loop.
+A database error while the heartbeat-timeout purge fails one TI does not stop the pass (guard).
 
-``Fail-heartbeat-timed-out-tries-in-the-same-pass.patch`` makes the heartbeat-timeout purge run
-``ti.handle_failure`` (retry preparation, id rotation, fail_fast, commit) for each timed-out TI.
-``Keep-the-scheduler-running-when-one-executor-event-fails-in-the-DB.patch`` protects only
-``_process_executor_events`` against IntegrityError/OperationalError from failure handling; the
-purge has no such protection, so the error leaves ``_find_and_purge_task_instances_without_heartbeats``
-(called from the scheduler loop's EventScheduler timer: the scheduler exits) and the other
-timed-out TIs of the pass are not handled. On base + patches 1-4 the purge ran no such writes.
+Since ``Fail-heartbeat-timed-out-tries-in-the-same-pass.patch`` the purge runs ``ti.handle_failure``
+(retry preparation, id rotation, fail_fast, commit) for each timed-out TI, in a savepoint per TI:
+a database error there is logged, only that TI's work is rolled back, and the other timed-out TIs
+of the pass are handled (the error would otherwise leave the scheduler loop's timer). On 3.3.2 and
+base + patches 1-4 the purge runs no such writes, so the behaviour holds at every step: a guard,
+not a fail-before proof.
 
 The error is a real one from the database, injected exactly like the project's own survival test
 (``ForeignKeyViolationOnce``: a task_reschedule row for the old id inserted right before the
-UPDATE that rotates the id). Realistic triggers in production are deadlocks / lock-wait timeouts
-(e.g. fail_fast stopping tasks whose rows the execution API's fail-fast path holds).
+UPDATE that rotates the id). Realistic triggers in production are deadlocks / lock-wait timeouts.
 """
 
 from __future__ import annotations
@@ -35,12 +33,10 @@ from tests.unit.jobs.test_scheduler_survives_failure_handling import ForeignKeyV
 
 pytestmark = pytest.mark.db_test
 
-PATCH = "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch"
-
 T0 = datetime(2026, 3, 2, 12, 0, 0, tzinfo=timezone.utc)
 
 
-@pytest.mark.proves(PATCH)
+@pytest.mark.guard
 def test_purge_survives_db_error_of_one_ti(dag_maker, session, scheduler_job_runner):
     runner = scheduler_job_runner
     with time_machine.travel(T0, tick=False) as clock:
