@@ -56,13 +56,20 @@ class CheckError(Exception):
 
 
 def masked(dsn: str) -> str:
-    """``dsn`` with its password replaced by ``***`` (also when it is no valid URL, or without SQLAlchemy)."""
-    try:
-        from sqlalchemy.engine import make_url
+    """``dsn`` without its secrets: the password and the query string (which may hold one) become ``***``.
 
-        return make_url(dsn).render_as_string(hide_password=True)
-    except Exception:  # not a URL SQLAlchemy parses, or SQLAlchemy not installed (the nox process)
-        return re.sub(r"(//[^/@:]*:)[^/]*@", r"\1***@", dsn)
+    Parsed by hand, the same in the nox process (no SQLAlchemy) and in a session's Python; a password may
+    contain ``/``, ``:`` or ``@`` (the host follows the last ``@``). Not a URL at all: ``***``.
+    """
+    head, question, _query = dsn.partition("?")
+    scheme, sep, rest = head.partition("://")
+    if not sep:
+        return "***"
+    userinfo, at, host = rest.rpartition("@")
+    if at:
+        user, colon, _password = userinfo.partition(":")
+        rest = f"{user}{':***' if colon else ''}@{host}"
+    return f"{scheme}://{rest}{'?***' if question else ''}"
 
 
 def airflow_data(conn) -> list[str]:

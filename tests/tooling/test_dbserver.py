@@ -171,3 +171,17 @@ def stop_leftovers(tmp: Path) -> None:
     for pidfile in [*tmp.glob("*/data/postmaster.pid"), *tmp.glob("*/pid")]:
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("dsn", "shown"),
+    [
+        ("postgresql://u:secretpw@127.0.0.1:5/x", "postgresql://u:***@127.0.0.1:5/x"),
+        ("postgresql://u:sec/ret@pw@127.0.0.1:5/x", "postgresql://u:***@127.0.0.1:5/x"),
+        ("postgresql://u@127.0.0.1:5/x?password=secretpw", "postgresql://u@127.0.0.1:5/x?***"),
+        ("mysql+mysqldb://root@127.0.0.1:3306/airflow", "mysql+mysqldb://root@127.0.0.1:3306/airflow"),
+        ("u:secretpw@127.0.0.1/x", "***"),
+    ],
+)
+def test_masked_hides_every_form_of_password(dsn: str, shown: str):
+    assert dbserver.masked(dsn) == shown
