@@ -13,8 +13,8 @@ The rule: the writer that moves a try out of RUNNING (or QUEUED) requests its ca
 transaction of that state change, under the task instance's row lock:
 
 * the task process itself when it reported the state (no request from the server);
-* the execution API when the supervisor reports a state the process did not report
-  (``exited_without_reporting``, the patch proved here);
+* the execution API when the supervisor reports a state the process did not report: not with task-sdk
+  1.3.2, whose report does not say so (documented by a test below; not fixed by this series);
 * the executor event of a try still running or queued ("killed externally");
 * the heartbeat-timeout purge;
 * the stuck-in-queued handler (failure callback);
@@ -41,12 +41,10 @@ from airflow.models.taskinstance import TaskInstance as TI
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit import conftest
-from tests.unit.ti_race import WAIT, ExecutionApi, Pause, Worker, lock_waiters, wait_until
+from tests.unit.ti_race import ExecutionApi, Pause
 
 pytestmark = pytest.mark.db_test
 
-P = "Request-callbacks-for-a-task-process-that-exited-without-reporting.patch"
 P_FAIL_SAME_PASS = "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch"
 
 RUNNING = TaskInstanceState.RUNNING
@@ -172,34 +170,6 @@ def purge(runner) -> None:
 # ----------------------------------------------------------------------------------------------
 # The supervisor's report through the execution API
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.proves(P)
-def test_killed_process_on_last_try_gets_one_failure_callback(dag_maker, session, api):
-    """
-    The task process of the last try (try 2 of ``retries=1``) was SIGKILLed: the supervisor reports
-    ``failed`` for it. Exactly one failure callback request, committed with the FAILED state.
-    """
-    ti = running_try(dag_maker, session, "killed_last_try", retries=1, try_number=2, **BOTH_CALLBACKS)
-
-    assert report(api, ti.id, "failed", exited_without_reporting=True) == 204
-
-    assert committed_state(ti) == FAILED
-    assert callbacks_of_try(ti) == [FAILED]
-
-
-@pytest.mark.proves(P)
-def test_killed_process_on_earlier_try_gets_one_retry_callback(dag_maker, session, api):
-    """
-    The task process of try 1 of ``retries=1`` was killed and the supervisor reports
-    ``up_for_retry``: exactly one retry callback request, for try 1 (the try that ended).
-    """
-    ti = running_try(dag_maker, session, "killed_earlier_try", retries=1, try_number=1, **BOTH_CALLBACKS)
-
-    assert report(api, ti.id, "up_for_retry", exited_without_reporting=True) == 204
-
-    assert committed_state(ti) == UP_FOR_RETRY
-    assert callbacks_of_try(ti) == [UP_FOR_RETRY]
-
-
 @pytest.mark.guard
 @pytest.mark.parametrize(
     ("state", "retries", "try_number"), [("failed", 1, 2), ("up_for_retry", 1, 1)], ids=["failed", "retry"]
@@ -209,8 +179,8 @@ def test_state_reported_by_task_process_gets_no_second_callback(
 ):
     """
     The task process reported the state itself (and then ran its callback): the supervisor's
-    report carries no ``exited_without_reporting`` (task-sdk <= 1.3.2 never sends it), and the
-    server requests no callback of its own.
+    report leaves the try ``failed`` / ``up_for_retry`` (the retry with a new id) and the server
+    requests no callback of its own.
     """
     ti = running_try(
         dag_maker, session, f"reported_{state}", retries=retries, try_number=try_number, **BOTH_CALLBACKS
@@ -228,9 +198,9 @@ def test_killed_process_reported_by_sdk_1_3_2_still_gets_no_callback(
 ):
     """
     Known limitation, documented: task-sdk 1.3.2's supervisor reports the SIGKILLed last try as
-    ``failed`` without ``exited_without_reporting`` -- the same request as for a task process that
-    failed and ran its callback -- and LocalExecutor then reports ``success`` for the try. The server
-    cannot tell the two apart: no callback, until the supervisor sends the field.
+    ``failed`` -- the same request as for a task process that failed and ran its callback -- and
+    LocalExecutor then reports ``success`` for the try. The server cannot tell the two apart: no
+    callback (upstream #60858; the supervisor would have to say so, not fixed by this series).
     """
     runner = scheduler_job_runner
     ti = running_try(
@@ -245,108 +215,9 @@ def test_killed_process_reported_by_sdk_1_3_2_still_gets_no_callback(
     assert callbacks_of_try(ti) == []
 
 
-@pytest.mark.proves(P)
-@pytest.mark.parametrize(
-    ("state", "retries", "try_number", "task_kwargs"),
-    [
-        ("failed", 1, 2, {"on_retry_callback": on_retry}),
-        ("up_for_retry", 1, 1, {"on_failure_callback": on_failure}),
-        ("failed", 0, 1, {}),
-    ],
-    ids=["failed-only-retry-callback", "retry-only-failure-callback", "no-callback"],
-)
-def test_no_request_without_a_callback_of_the_matching_type(
-    dag_maker, session, api, state, retries, try_number, task_kwargs
-):
-    """A killed process whose task defines no callback of the type recorded: the state, no request."""
-    ti = running_try(
-        dag_maker, session, f"no_matching_{try_number}_{retries}", retries=retries, try_number=try_number,
-        **task_kwargs,
-    )  # fmt: skip
-
-    assert report(api, ti.id, state, exited_without_reporting=True) == 204
-
-    assert committed_state(ti) == state
-    assert callbacks_of_try(ti) == []
-
-
-@pytest.mark.proves(P)
-def test_repeated_report_requests_no_second_callback(dag_maker, session, api):
-    """The supervisor retries its report (e.g. after a lost response): 200, no second request."""
-    ti = running_try(dag_maker, session, "repeated_report", retries=0, try_number=1, **BOTH_CALLBACKS)
-
-    assert report(api, ti.id, "failed", exited_without_reporting=True) == 204
-    assert report(api, ti.id, "failed", exited_without_reporting=True) == 200
-
-    assert callbacks_of_try(ti) == [FAILED]
-
-
 # ----------------------------------------------------------------------------------------------
 # Combinations with the scheduler's paths
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.proves(P)
-@pytest.mark.parametrize("event", [SUCCESS, FAILED], ids=["event-success", "event-failed"])
-def test_report_then_executor_event_still_one_callback(dag_maker, session, api, scheduler_job_runner, event):
-    """
-    What a SIGKILL of the last try's task process produces with LocalExecutor: the supervisor's
-    report, then the executor's event for the try (LocalExecutor reports ``success`` when the
-    supervisor returns normally, other executors ``failed``). One failure callback.
-    """
-    runner = scheduler_job_runner
-    ti = running_try(
-        dag_maker, session, f"report_then_event_{event}", retries=1, try_number=2,
-        queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
-    )  # fmt: skip
-
-    assert report(api, ti.id, "failed", exited_without_reporting=True) == 204
-    executor_event(runner, ti, event)
-
-    assert committed_state(ti) == FAILED
-    assert callbacks_of_try(ti) == [FAILED]
-
-
-@pytest.mark.proves(P)
-def test_heartbeat_purge_then_report_still_one_callback(dag_maker, session, api, scheduler_job_runner):
-    """
-    The try timed out first (supervisor stopped): the purge fails it with its callback; the
-    supervisor, resumed, then reports the killed process. The report changes nothing (the state is
-    already set): one callback.
-    """
-    runner = scheduler_job_runner
-    with time_machine.travel(T0, tick=False) as clock:
-        ti = running_try(
-            dag_maker, session, "purge_then_report", retries=0, try_number=1,
-            queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
-        )  # fmt: skip
-        session.close()
-        clock.shift(timedelta(seconds=runner._task_instance_heartbeat_timeout_secs + 60))
-        purge(runner)
-        assert committed_state(ti) == FAILED
-        assert callbacks_of_try(ti) == [FAILED]
-
-        assert report(api, ti.id, "failed", exited_without_reporting=True) in (200, 409)
-
-    assert callbacks_of_try(ti) == [FAILED]
-
-
-@pytest.mark.proves(P)
-def test_report_then_heartbeat_purge_still_one_callback(dag_maker, session, api, scheduler_job_runner):
-    """The report ended the try; a purge pass afterwards (heartbeat now stale) sends nothing."""
-    runner = scheduler_job_runner
-    with time_machine.travel(T0, tick=False) as clock:
-        ti = running_try(
-            dag_maker, session, "report_then_purge", retries=0, try_number=1,
-            queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
-        )  # fmt: skip
-        session.close()
-        assert report(api, ti.id, "failed", exited_without_reporting=True) == 204
-        clock.shift(timedelta(seconds=runner._task_instance_heartbeat_timeout_secs + 60))
-        purge(runner)
-
-    assert committed_state(ti) == FAILED
-    assert callbacks_of_try(ti) == [FAILED]
-
-
 @pytest.fixture
 def pauses():
     made: list[Pause] = []
@@ -359,95 +230,6 @@ def pauses():
     yield make
     for pause in made:
         pause.remove()
-
-
-@pytest.mark.proves(P)
-@pytest.mark.backend(
-    "postgres",
-    reason=(
-        "SQLite has no row locks. MariaDB: with_row_locks emits no lock, so the purge's revalidation "
-        "reads the row without waiting and sends its callback before handle_failure's own row lock "
-        "finds the try failed by the route: two callbacks (a defect of the purge on MariaDB, "
-        "measured with this test; on MySQL 8 revalidation's SKIP LOCKED skips the row)"
-    ),
-)
-def test_report_holding_row_lock_while_purge_runs_one_callback(
-    dag_maker, session, api, scheduler_job_runner, pauses
-):
-    """
-    The supervisor's report has read the running try under its row lock when a heartbeat-timeout
-    pass finds the same try timed out: the scan skips the locked row. One callback, the route's.
-    """
-    runner = scheduler_job_runner
-    with time_machine.travel(T0, tick=False) as clock:
-        ti = running_try(
-            dag_maker, session, "report_locks_first", retries=0, try_number=1,
-            queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
-        )  # fmt: skip
-        session.close()
-        clock.shift(timedelta(seconds=runner._task_instance_heartbeat_timeout_secs + 60))
-
-        api_call = Worker(
-            lambda: report(api, ti.id, "failed", exited_without_reporting=True), name="execution-api"
-        )
-        purger = Worker(lambda: purge(runner), name="scheduler")
-        # The route runs in a thread of the in-process transport: pause any thread but the purge's.
-        paused = pauses(API_LOCKS_TI, not_thread=purger)
-        api_call.start()
-        assert paused.reached.wait(WAIT), "the route never read the task instance"
-        purger.start()
-        wait_until(
-            lambda: purger.done.is_set() or lock_waiters() > 0, "the purge ends or waits for the row lock"
-        )
-        paused.release()
-        assert api_call.join_or_fail() == 204
-        purger.join_or_fail()
-
-    assert api_call.error is None, api_call.error
-    assert purger.error is None, purger.error
-    assert committed_state(ti) == FAILED
-    assert callbacks_of_try(ti) == [FAILED]
-
-
-@pytest.mark.proves(P)
-@pytest.mark.backend(
-    "postgres", reason="the heartbeat-timeout scan row-locks only where with_row_locks locks"
-)
-def test_purge_holding_row_lock_while_report_arrives_one_callback(
-    dag_maker, session, api, scheduler_job_runner, pauses
-):
-    """
-    The heartbeat-timeout scan holds the try's row lock when the supervisor's report arrives: the
-    route waits, then finds the try failed by the purge (200, as a repeated report). One callback,
-    the purge's.
-    """
-    runner = scheduler_job_runner
-    if not conftest.dialect_locks_rows(session):
-        pytest.skip(conftest.no_row_locks_reason(session))
-    with time_machine.travel(T0, tick=False) as clock:
-        ti = running_try(
-            dag_maker, session, "purge_locks_first", retries=0, try_number=1,
-            queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
-        )  # fmt: skip
-        session.close()
-        clock.shift(timedelta(seconds=runner._task_instance_heartbeat_timeout_secs + 60))
-
-        purger = Worker(lambda: purge(runner), name="scheduler")
-        paused = pauses(PURGE_SCAN_LOCKS, thread=purger)
-        purger.start()
-        assert paused.reached.wait(WAIT), "the purge never scanned"
-        api_call = Worker(
-            lambda: report(api, ti.id, "failed", exited_without_reporting=True), name="execution-api"
-        )
-        api_call.start()
-        wait_until(lambda: api_call.done.is_set() or lock_waiters() > 0, "the route waits for the row lock")
-        paused.release()
-        purger.join_or_fail()
-        assert api_call.join_or_fail() == 200
-
-    assert purger.error is None, purger.error
-    assert committed_state(ti) == FAILED
-    assert callbacks_of_try(ti) == [FAILED]
 
 
 # ----------------------------------------------------------------------------------------------
