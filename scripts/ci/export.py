@@ -180,21 +180,33 @@ def touched(patch: Path) -> set[str]:
     return set(re.findall(r"^diff --git a/(\S+) b/", patch.read_text(errors="replace"), flags=re.M))
 
 
+def files_in(folder: Path) -> set[str]:
+    """The files below ``folder`` (relative paths), its marker left out."""
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir()} - {MARK}
+
+
 def export(root: Path, name: str, out: Path, logs: list[Path]) -> list[str]:
     """Write the export folder; return the notes printed for the user (also in PR.md)."""
     for log in logs:
         if not log.is_file():
             raise tree.TreeError(f"--verify {log}: no such file")
-    if (out.exists() or out.is_symlink()) and not (out / MARK).is_file():
+    if out.is_symlink() or (out.exists() and not (out / MARK).is_file()):
         raise tree.TreeError(
-            f"{out} exists and is not an export made by export.py (no {MARK} in it): refusing to replace it; "
-            "give another --out or move it away"
+            f"{out} exists and is not an export made by export.py (no {MARK} in it, or a symbolic link): "
+            "refusing to replace it; give another --out or move it away"
+        )
+    if out.exists() and (added := sorted(files_in(out) - set((out / MARK).read_text().splitlines()[1:]))):
+        raise tree.TreeError(
+            f"{out} holds files export.py did not write ({', '.join(added)}): refusing to replace it; "
+            "move them away first"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         notes = write_export(root, name, staging / "new", logs)
-        (staging / "new" / MARK).write_text(f"export.py {name}\n")
+        # The marker lists what the export wrote: a later export replaces the folder only if nothing was added.
+        written = sorted(files_in(staging / "new"))
+        (staging / "new" / MARK).write_text("\n".join([f"export.py {name}", *written]) + "\n")
         if out.exists():
             out.rename(staging / "old")
         (staging / "new").rename(out)

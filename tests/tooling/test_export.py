@@ -227,7 +227,29 @@ def test_missing_verify_log_changes_nothing(project: Path):
 
 def test_reexport_replaces_its_own_export(project: Path):
     out = export(project, FIRST)
-    (out / "stale.patch").write_text("from an earlier export\n")
-    (out / "stale.patch").rename(out / "0009-stale.patch")
+    # A file an earlier export wrote (listed in its marker) that this export no longer writes.
+    (out / "0009-stale.patch").write_text("from an earlier export\n")
+    with (out / ".series-export").open("a") as marker:
+        marker.write("0009-stale.patch\n")
     out = export(project, FIRST)
     assert sorted(p.name for p in out.glob("*.patch")) == [f"0001-{FIRST}"]
+
+
+def test_reexport_keeps_a_file_the_user_added(project: Path):
+    out = export(project, FIRST)
+    (out / "NOTES.md").write_text("mine\n")
+    proc = run_export(project, FIRST, "--out", str(out))
+    assert proc.returncode == 1
+    assert "holds files export.py did not write (NOTES.md)" in proc.stderr
+    assert (out / "NOTES.md").read_text() == "mine\n"
+    (out / "NOTES.md").unlink()
+
+
+def test_out_that_is_a_symlink_is_refused_and_kept(project: Path, tmp_path: Path):
+    out = export(project, FIRST)
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    proc = run_export(project, FIRST, "--out", str(link))
+    assert proc.returncode == 1
+    assert "symbolic link" in proc.stderr
+    assert link.is_symlink() and (out / ".series-export").is_file()
