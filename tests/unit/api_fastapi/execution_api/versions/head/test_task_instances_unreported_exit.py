@@ -41,7 +41,7 @@ from airflow.models.taskinstance import TaskInstance as TI
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit.ti_race import ExecutionApi, Pause
+from tests.unit.ti_race import ExecutionApi
 
 pytestmark = pytest.mark.db_test
 
@@ -54,11 +54,6 @@ SUCCESS = TaskInstanceState.SUCCESS
 UP_FOR_RETRY = TaskInstanceState.UP_FOR_RETRY
 
 T0 = datetime(2026, 3, 2, 12, 0, 0, tzinfo=timezone.utc)
-
-# The route's first statement: the locking read of the task instance it updates.
-API_LOCKS_TI = r"^\s*SELECT\b.*\bFROM task_instance\b.*\bJOIN dag_run\b.*\bFOR UPDATE\b"
-# The heartbeat-timeout scan (row-locked, SKIP LOCKED, where with_row_locks locks).
-PURGE_SCAN_LOCKS = r"^\s*SELECT\b.*\bFROM task_instance\b.*\bSKIP LOCKED\b"
 
 
 def on_failure(context):  # pragma: no cover - only its presence on the task matters
@@ -216,24 +211,7 @@ def test_killed_process_reported_by_sdk_1_3_2_still_gets_no_callback(
 
 
 # ----------------------------------------------------------------------------------------------
-# Combinations with the scheduler's paths
-# ----------------------------------------------------------------------------------------------
-@pytest.fixture
-def pauses():
-    made: list[Pause] = []
-
-    def make(*args, **kwargs) -> Pause:
-        pause = Pause(*args, **kwargs)
-        made.append(pause)
-        return pause
-
-    yield make
-    for pause in made:
-        pause.remove()
-
-
-# ----------------------------------------------------------------------------------------------
-# The scheduler's own paths: one callback each (behaviour of the series before this patch)
+# The scheduler's own paths: one callback each
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.guard
 @pytest.mark.parametrize(
