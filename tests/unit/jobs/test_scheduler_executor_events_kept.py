@@ -165,3 +165,134 @@ def test_flush_error_undoes_only_the_failing_event(dag_maker, session, scheduler
     assert committed_mismatch_logs("flush_error") == [], "the failing event's log row was committed"
     # Only the failing event is back in the buffer.
     assert list(executor.event_buffer) == [poison_key]
+
+
+P_KEEP = "Keep-executor-events-until-their-effects-are-committed.patch"
+
+
+class KillConnectionAtCommit:
+    """
+    On this thread, once a statement matching ``armed_by`` ran, end the connection's server session
+    from another connection right before its next COMMIT (``pg_terminate_backend`` / ``KILL``): the
+    COMMIT then fails with the driver's OperationalError, as on a connection lost at the commit.
+    """
+
+    def __init__(self, armed_by: str):
+        import re
+
+        from sqlalchemy import event
+
+        self._event = event
+        self._pattern = re.compile(armed_by, re.IGNORECASE)
+        self.thread = threading.current_thread()
+        self.armed = False
+        self.fired = False
+        event.listen(settings.engine, "before_cursor_execute", self._arm)
+        event.listen(settings.engine, "commit", self._commit)
+
+    def _arm(self, conn, cursor, statement, parameters, context, executemany):
+        if threading.current_thread() is self.thread and self._pattern.search(statement):
+            self.armed = True
+
+    def _commit(self, conn):
+        if self.fired or not self.armed or threading.current_thread() is not self.thread:
+            return
+        self.fired = True
+        if BACKEND == "postgres":
+            pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+            kill = text("SELECT pg_terminate_backend(:pid)")
+        else:
+            pid = conn.exec_driver_sql("SELECT CONNECTION_ID()").scalar_one()
+            kill = text(f"KILL {int(pid)}")
+        with settings.engine.connect() as other:
+            other.execute(kill, {"pid": pid} if BACKEND == "postgres" else {})
+            other.commit()
+
+    def remove(self):
+        self._event.remove(settings.engine, "before_cursor_execute", self._arm)
+        self._event.remove(settings.engine, "commit", self._commit)
+
+
+@pytest.mark.proves(P_KEEP)
+def test_failed_commit_puts_back_every_event_and_the_scheduler_goes_on(
+    dag_maker, session, scheduler_job_runner, backend
+):
+    """
+    The COMMIT of the batch fails (its connection is ended right before it): the scheduler step
+    does not raise, and every event taken out of the buffer in that transaction, the callback-key
+    event included, is back in the buffer; the next step applies them all (upstream #69975).
+    """
+    if backend == "sqlite":
+        pytest.skip("sqlite: a server session that another connection can end does not exist there")
+    runner = scheduler_job_runner
+    executor = runner.executor
+    tis = make_running_tis(
+        dag_maker, session, dag_id="commit_fails", task_ids=("a", "b"), queued_by_job_id=runner.job.id
+    )
+    callback_key = make_queued_callback(session)
+    events = {
+        callback_key: (CallbackState.SUCCESS, None),
+        tis[0].key: (TaskInstanceState.QUEUED, "external-a"),
+        tis[1].key: (TaskInstanceState.RUNNING, "external-b"),
+    }
+    executor.event_buffer.update(events)
+    session.expunge_all()
+    session.close()
+
+    killer = KillConnectionAtCommit(armed_by=r"^\s*UPDATE callback ")
+    try:
+        try:
+            runner._process_executor_events_of_all_executors()
+        except Exception as e:
+            pytest.fail(f"the scheduler step raised {e!r}: the scheduler loop would exit")
+    finally:
+        killer.remove()
+    assert killer.fired, "the batch's COMMIT was not reached"
+    assert committed_callback_state(callback_key) == CallbackState.QUEUED
+    assert committed_ti("commit_fails", "a") == (TaskInstanceState.RUNNING, None)
+    assert executor.event_buffer == events, "events taken in the failed transaction were lost"
+
+    runner._process_executor_events_of_all_executors()
+    assert committed_callback_state(callback_key) == CallbackState.SUCCESS
+    assert committed_ti("commit_fails", "a") == (TaskInstanceState.RUNNING, "external-a")
+    assert committed_ti("commit_fails", "b") == (TaskInstanceState.RUNNING, "external-b")
+    assert executor.event_buffer == {}
+
+
+@pytest.mark.proves(P_KEEP)
+def test_events_of_rows_skipped_by_skip_locked_are_kept(
+    dag_maker, session, other_session, scheduler_job_runner, backend
+):
+    """
+    Another transaction holds the row lock of one task instance: the batch's ``FOR UPDATE SKIP
+    LOCKED`` read leaves it out. Its event stays in the buffer (upstream #55004) and is applied on
+    the next pass, once the lock is gone; the other event is applied at once.
+    """
+    from tests.unit.conftest import dialect_locks_rows, no_row_locks_reason
+
+    if not dialect_locks_rows(session):
+        pytest.skip(no_row_locks_reason(session))
+    runner = scheduler_job_runner
+    executor = runner.executor
+    tis = make_running_tis(
+        dag_maker, session, dag_id="skip_locked", task_ids=("free", "locked"), queued_by_job_id=runner.job.id
+    )
+    free, locked = tis
+    executor.event_buffer[free.key] = (TaskInstanceState.QUEUED, "external-free")
+    executor.event_buffer[locked.key] = (TaskInstanceState.QUEUED, "external-locked")
+    locked_key = locked.key
+    locked_id = locked.id
+    session.expunge_all()
+
+    other_session.execute(select(TaskInstance.id).where(TaskInstance.id == locked_id).with_for_update())
+    runner._process_executor_events(executor=executor, session=session)
+    session.commit()
+    assert committed_ti("skip_locked", "free") == (TaskInstanceState.RUNNING, "external-free")
+    assert committed_ti("skip_locked", "locked") == (TaskInstanceState.RUNNING, None)
+    assert list(executor.event_buffer) == [locked_key], "the skipped row's event was dropped"
+
+    other_session.rollback()
+    runner._process_executor_events(executor=executor, session=session)
+    session.commit()
+    assert committed_ti("skip_locked", "locked") == (TaskInstanceState.RUNNING, "external-locked")
+    assert executor.event_buffer == {}
