@@ -218,8 +218,8 @@ def test_failed_commit_puts_back_every_event_and_the_scheduler_goes_on(
     dag_maker, session, scheduler_job_runner, backend
 ):
     """
-    The COMMIT of the batch fails (its connection is ended right before it): the scheduler step
-    does not raise, and every event taken out of the buffer in that transaction, the callback-key
+    The COMMIT of the batch fails (its connection is ended right before it): one pass of the real
+    scheduler loop does not raise, and every event taken out of the buffer in that transaction, the callback-key
     event included, is back in the buffer; the next step applies them all (upstream #69975).
     """
     if backend == "sqlite":
@@ -239,12 +239,13 @@ def test_failed_commit_puts_back_every_event_and_the_scheduler_goes_on(
     session.expunge_all()
     session.close()
 
+    runner.num_runs = 1  # one pass of the real scheduler loop
     killer = KillConnectionAtCommit(armed_by=r"^\s*UPDATE callback ")
     try:
         try:
-            runner._process_executor_events_of_all_executors()
+            runner._run_scheduler_loop()
         except Exception as e:
-            pytest.fail(f"the scheduler step raised {e!r}: the scheduler loop would exit")
+            pytest.fail(f"the scheduler loop raised {e!r}: the scheduler would exit")
     finally:
         killer.remove()
     assert killer.fired, "the batch's COMMIT was not reached"
@@ -252,7 +253,7 @@ def test_failed_commit_puts_back_every_event_and_the_scheduler_goes_on(
     assert committed_ti("commit_fails", "a") == (TaskInstanceState.RUNNING, None)
     assert executor.event_buffer == events, "events taken in the failed transaction were lost"
 
-    runner._process_executor_events_of_all_executors()
+    runner._run_scheduler_loop()
     assert committed_callback_state(callback_key) == CallbackState.SUCCESS
     assert committed_ti("commit_fails", "a") == (TaskInstanceState.RUNNING, "external-a")
     assert committed_ti("commit_fails", "b") == (TaskInstanceState.RUNNING, "external-b")
