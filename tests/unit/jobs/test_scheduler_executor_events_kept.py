@@ -297,3 +297,59 @@ def test_events_of_rows_skipped_by_skip_locked_are_kept(
     session.commit()
     assert committed_ti("skip_locked", "locked") == (TaskInstanceState.RUNNING, "external-locked")
     assert executor.event_buffer == {}
+
+
+P_POISON = "Give-up-on-an-executor-event-whose-handling-keeps-failing-in-the-DB.patch"
+
+
+@pytest.mark.proves(P_POISON)
+def test_poison_event_is_given_up_visibly_after_a_bounded_number_of_passes(
+    dag_maker, session, scheduler_job_runner, monkeypatch, caplog, capsys
+):
+    """
+    The database rejects the handling of one event on every pass (a trigger rejects the UPDATE of
+    its task instance). The event is put back for a bounded number of passes, then dropped with one
+    log line naming the cause and one ``scheduler.executor_events.given_up`` count; the task
+    instance is left as it is (to the heartbeat and queued timeouts).
+    """
+    import logging
+
+    from airflow.jobs import scheduler_job_runner as sjr
+
+    counted: list[tuple[str, dict]] = []
+    real_incr = sjr.stats.incr
+
+    def incr(name, *args, **kwargs):
+        counted.append((name, kwargs.get("tags") or {}))
+        return real_incr(name, *args, **kwargs)
+
+    monkeypatch.setattr(sjr.stats, "incr", incr)
+    runner = scheduler_job_runner
+    executor = runner.executor
+    (ti,) = make_running_tis(
+        dag_maker, session, dag_id="poison_event", task_ids=(POISON,), queued_by_job_id=runner.job.id
+    )
+    key = ti.key
+    executor.event_buffer[key] = (TaskInstanceState.FAILED, None)
+    session.expunge_all()
+
+    bound = sjr.EXECUTOR_EVENT_MAX_DB_FAILURES
+    with reject_updates_of(POISON), caplog.at_level(logging.INFO):
+        for n in range(1, bound + 1):
+            runner._process_executor_events(executor=executor, session=session)
+            session.commit()
+            if n < bound:
+                assert list(executor.event_buffer) == [key], f"not put back after pass {n}"
+        assert executor.event_buffer == {}, f"still re-queued after {bound} failed passes"
+        # Further passes: nothing left to fail.
+        runner._process_executor_events(executor=executor, session=session)
+        session.commit()
+    logged = caplog.text + "".join(capsys.readouterr())
+    assert logged.count("Giving up on executor event") == 1, logged[-2000:]
+    assert "rejected by test trigger" in logged, "the cause is not in the log"
+    given_up = [tags for name, tags in counted if name == "scheduler.executor_events.given_up"]
+    assert given_up == [{"dag_id": "poison_event", "task_id": POISON}]
+    from airflow._shared.observability.metrics.metrics_registry import MetricsRegistry
+
+    assert MetricsRegistry().get("scheduler.executor_events.given_up")["type"] == "counter"
+    assert committed_ti("poison_event", POISON)[0] == TaskInstanceState.RUNNING
