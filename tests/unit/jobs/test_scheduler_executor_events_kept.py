@@ -333,7 +333,8 @@ def test_poison_event_is_given_up_visibly_after_a_bounded_number_of_passes(
     executor.event_buffer[key] = (TaskInstanceState.FAILED, None)
     session.expunge_all()
 
-    bound = sjr.EXECUTOR_EVENT_MAX_DB_FAILURES
+    # The documented bound; before the patch there is none and the event is re-queued on every pass.
+    bound = getattr(sjr, "EXECUTOR_EVENT_MAX_DB_FAILURES", 5)
     with reject_updates_of(POISON), caplog.at_level(logging.INFO):
         for n in range(1, bound + 1):
             runner._process_executor_events(executor=executor, session=session)
@@ -353,3 +354,131 @@ def test_poison_event_is_given_up_visibly_after_a_bounded_number_of_passes(
 
     assert MetricsRegistry().get("scheduler.executor_events.given_up")["type"] == "counter"
     assert committed_ti("poison_event", POISON)[0] == TaskInstanceState.RUNNING
+
+
+DEADLOCK = "deadlock"  # task_id whose UPDATE waits, through a trigger, for a row the test holds
+
+
+@contextmanager
+def updates_of_wait_for_blocker(task_id: str):
+    """
+    Tables ``test_blocker`` (one row) and ``test_weight``, and a trigger that makes every UPDATE of
+    the task instance row(s) with ``task_id`` update ``test_blocker`` row 1 first: while another
+    transaction holds that row, the UPDATE waits for it.
+    """
+    with settings.engine.begin() as conn:
+        conn.execute(text("CREATE TABLE test_blocker (id INTEGER PRIMARY KEY, v INTEGER NOT NULL)"))
+        conn.execute(text("CREATE TABLE test_weight (id INTEGER PRIMARY KEY)"))
+        conn.execute(text("INSERT INTO test_blocker (id, v) VALUES (1, 0)"))
+        if BACKEND == "postgres":
+            conn.execute(
+                text(
+                    "CREATE OR REPLACE FUNCTION test_wait_for_blocker() RETURNS trigger AS $$ BEGIN "
+                    "UPDATE test_blocker SET v = v + 1 WHERE id = 1; RETURN NEW; END $$ LANGUAGE plpgsql"
+                )
+            )
+            conn.execute(
+                text(
+                    "CREATE TRIGGER test_wait_for_blocker BEFORE UPDATE ON task_instance FOR EACH ROW "
+                    f"WHEN (OLD.task_id = '{task_id}') EXECUTE FUNCTION test_wait_for_blocker()"
+                )
+            )
+        else:
+            conn.execute(
+                text(
+                    "CREATE TRIGGER test_wait_for_blocker BEFORE UPDATE ON task_instance FOR EACH ROW "
+                    f"BEGIN IF OLD.task_id = '{task_id}' THEN "
+                    "UPDATE test_blocker SET v = v + 1 WHERE id = 1; END IF; END"
+                )
+            )
+    try:
+        yield
+    finally:
+        with settings.engine.begin() as conn:
+            if BACKEND == "postgres":
+                conn.execute(text("DROP TRIGGER IF EXISTS test_wait_for_blocker ON task_instance"))
+                conn.execute(text("DROP FUNCTION IF EXISTS test_wait_for_blocker()"))
+            else:
+                conn.execute(text("DROP TRIGGER IF EXISTS test_wait_for_blocker"))
+            conn.execute(text("DROP TABLE IF EXISTS test_blocker"))
+            conn.execute(text("DROP TABLE IF EXISTS test_weight"))
+
+
+def deadlock_the_scheduler(other_session, callback_key: CallbackKey) -> None:
+    """
+    With the test's transaction holding ``test_blocker`` row 1 and the scheduler waiting for it (in
+    the trigger on its UPDATE of the DEADLOCK task instance), update the callback row the scheduler
+    has updated earlier in its transaction: a wait cycle, which the database breaks by aborting one
+    side. The test's transaction inserted many rows first, so InnoDB (which aborts the transaction
+    that changed fewer rows) picks the scheduler. The test's transaction is rolled back at the end.
+    """
+    wait_until(lambda: lock_waiters() >= 1, "the scheduler waits for test_blocker row 1")
+    other_session.execute(
+        update(Callback).where(Callback.id == uuid.UUID(callback_key.id)).values(output="test")
+    )
+    other_session.rollback()
+
+
+@pytest.mark.proves(P_KEEP, base_ok_on=("postgres",))
+def test_deadlock_that_ends_the_whole_transaction_puts_back_every_event_of_it(
+    dag_maker, session, other_session, scheduler_job_runner, backend
+):
+    """
+    A real deadlock inside one event's savepoint. MySQL/MariaDB (InnoDB) roll back the whole
+    transaction, savepoint and all: every event taken out of the buffer in that transaction (here
+    the callback-key event, whose update was flushed before) must be back in the buffer, not
+    silently lost while the session carries on. PostgreSQL aborts only the savepoint: there the
+    earlier events' effects stay and are committed (the base is not vulnerable there).
+    """
+    if backend == "sqlite":
+        pytest.skip("sqlite: no row locks, no deadlock")
+    runner = scheduler_job_runner
+    executor = runner.executor
+    (ti,) = make_running_tis(
+        dag_maker, session, dag_id="deadlock", task_ids=(DEADLOCK,), queued_by_job_id=runner.job.id
+    )
+    callback_key = make_queued_callback(session)
+    events = {
+        callback_key: (CallbackState.SUCCESS, None),
+        ti.key: (TaskInstanceState.FAILED, None),
+    }
+    executor.event_buffer.update(events)
+    session.expunge_all()
+    session.close()
+
+    def one_pass():
+        s = settings.Session()
+        try:
+            runner._process_executor_events(executor=executor, session=s)
+            s.commit()
+        finally:
+            settings.Session.remove()
+
+    with updates_of_wait_for_blocker(DEADLOCK):
+        other_session.execute(
+            text("INSERT INTO test_weight (id) VALUES " + ", ".join(f"({i})" for i in range(1, 501)))
+        )
+        other_session.execute(text("UPDATE test_blocker SET v = v + 1 WHERE id = 1"))
+        scheduler = Worker(one_pass, name="scheduler")
+        scheduler.start()
+        try:
+            deadlock_the_scheduler(other_session, callback_key)
+        finally:
+            other_session.rollback()
+            scheduler.join_or_fail()
+    assert scheduler.error is None, f"the scheduler step raised {scheduler.error!r}"
+
+    callback_state = committed_callback_state(callback_key)
+    ti_state = committed_ti("deadlock", DEADLOCK)[0]
+    # Every event: applied and committed, or back in the buffer.
+    assert callback_state == CallbackState.SUCCESS or callback_key in executor.event_buffer, (
+        f"callback event lost: committed state {callback_state}, buffer {executor.event_buffer}"
+    )
+    assert ti_state == TaskInstanceState.UP_FOR_RETRY or ti.key in executor.event_buffer, (
+        f"FAILED event lost: committed state {ti_state}, buffer {executor.event_buffer}"
+    )
+    # And the next pass applies what was put back.
+    one_pass()
+    assert committed_callback_state(callback_key) == CallbackState.SUCCESS
+    assert committed_ti("deadlock", DEADLOCK)[0] == TaskInstanceState.UP_FOR_RETRY
+    assert executor.event_buffer == {}
