@@ -25,7 +25,7 @@ from airflow.models.taskinstance import TaskInstance
 from airflow.utils.state import CallbackState, TaskInstanceState
 
 from tests.unit.conftest import BACKEND
-from tests.unit.ti_race import Worker, lock_waiters, make_running_tis, wait_until
+from tests.unit.ti_race import Worker, lock_waiters, make_running_tis, read_rows, wait_until
 
 P_CONTAIN = "Keep-the-scheduler-running-when-one-executor-event-fails-in-the-DB.patch"
 
@@ -173,11 +173,11 @@ P_KEEP = "Keep-executor-events-until-their-effects-are-committed.patch"
 class KillConnectionAtCommit:
     """
     On this thread, once a statement matching ``armed_by`` ran, end the connection's server session
-    from another connection right before its next COMMIT (``pg_terminate_backend`` / ``KILL``): the
+    from another connection right before its ``commit_number``-th COMMIT (``pg_terminate_backend`` / ``KILL``): the
     COMMIT then fails with the driver's OperationalError, as on a connection lost at the commit.
     """
 
-    def __init__(self, armed_by: str):
+    def __init__(self, armed_by: str, commit_number: int = 1):
         import re
 
         from sqlalchemy import event
@@ -187,6 +187,7 @@ class KillConnectionAtCommit:
         self.thread = threading.current_thread()
         self.armed = False
         self.fired = False
+        self.commits_left = commit_number
         event.listen(settings.engine, "before_cursor_execute", self._arm)
         event.listen(settings.engine, "commit", self._commit)
 
@@ -196,6 +197,9 @@ class KillConnectionAtCommit:
 
     def _commit(self, conn):
         if self.fired or not self.armed or threading.current_thread() is not self.thread:
+            return
+        self.commits_left -= 1
+        if self.commits_left:
             return
         self.fired = True
         if BACKEND == "postgres":
@@ -482,3 +486,88 @@ def test_deadlock_that_ends_the_whole_transaction_puts_back_every_event_of_it(
     assert committed_callback_state(callback_key) == CallbackState.SUCCESS
     assert committed_ti("deadlock", DEADLOCK)[0] == TaskInstanceState.UP_FOR_RETRY
     assert executor.event_buffer == {}
+
+
+@pytest.mark.proves(P_KEEP)
+@pytest.mark.parametrize("killed_commit", [1, 2, 4])
+def test_accounting_over_one_batch_with_injected_faults(
+    dag_maker, session, other_session, scheduler_job_runner, backend, killed_commit
+):
+    """
+    One batch of 11 events: 2 callback-key events, 4 QUEUED events, 3 FAILED events handled as
+    externally killed (their failure handling commits mid-batch), 1 FAILED event whose UPDATE the
+    database rejects (flush error) and 1 QUEUED event of a row another transaction holds locked
+    (postgres: skipped by SKIP LOCKED). The connection is ended before the ``killed_commit``-th
+    COMMIT of the pass: 1 and 2 are commits of failure handling mid-batch, 4 is the batch's own
+    (three failure handlings commit before it). After each
+    scheduler pass, for every event: its effect is committed, or it is in the executor's buffer,
+    never both, never neither (events in = applied + still buffered).
+    """
+    from tests.unit.conftest import dialect_locks_rows
+
+    if backend == "sqlite":
+        pytest.skip("sqlite: a server session that another connection can end does not exist there")
+    runner = scheduler_job_runner
+    executor = runner.executor
+    queued = ("q1", "q2", "q3", "q4")
+    failed = ("f1", "f2", "f3")
+    tis = make_running_tis(
+        dag_maker,
+        session,
+        dag_id="accounting",
+        task_ids=(*queued, *failed, POISON, "locked"),
+        queued_by_job_id=runner.job.id,
+    )
+    by_task = {ti.task_id: ti for ti in tis}
+    callbacks = [make_queued_callback(session) for _ in range(2)]
+    events: dict = {c: (CallbackState.SUCCESS, None) for c in callbacks}
+    for t in (*queued, "locked"):
+        events[by_task[t].key] = (TaskInstanceState.QUEUED, f"external-{t}")
+    for t in (*failed, POISON):
+        events[by_task[t].key] = (TaskInstanceState.FAILED, None)
+    locked_id = by_task["locked"].id
+    task_of = {by_task[t].key: t for t in by_task}
+    executor.event_buffer.update(events)
+    runner.num_runs = 1  # each pass: one pass of the real scheduler loop
+    session.expunge_all()
+    session.close()
+
+    def applied(key) -> bool:
+        if isinstance(key, CallbackKey):
+            return committed_callback_state(key) == CallbackState.SUCCESS
+        task_id = task_of[key]
+        state, external_id = committed_ti("accounting", task_id)
+        if events[key][0] == TaskInstanceState.QUEUED:
+            return external_id == f"external-{task_id}"
+        # The failure of try 1 is recorded (the loop's scheduling may have moved the retry on since).
+        return 1 in read_rows("accounting", task_id, key.run_id).history_tries
+
+    def account(after: str) -> tuple[set, set]:
+        done = {k for k in events if applied(k)}
+        buffered = {k for k in events if k in executor.event_buffer}
+        assert not done & buffered, f"{after}: applied and still buffered: {done & buffered}"
+        lost = set(events) - done - buffered
+        assert not lost, f"{after}: neither applied nor buffered (lost): {lost}"
+        return done, buffered
+
+    holds_lock = dialect_locks_rows(session)
+    with reject_updates_of(POISON):
+        if holds_lock:
+            other_session.execute(
+                select(TaskInstance.id).where(TaskInstance.id == locked_id).with_for_update()
+            )
+        killer = KillConnectionAtCommit(armed_by=r"^\s*UPDATE callback ", commit_number=killed_commit)
+        try:
+            runner._run_scheduler_loop()
+        except Exception as e:
+            pytest.fail(f"the scheduler loop raised {e!r}: the scheduler would exit")
+        finally:
+            killer.remove()
+            other_session.rollback()
+        assert killer.fired, f"the pass made fewer than {killed_commit} commits"
+        account("pass 1 (faults: flush error, lost connection at a commit, skipped lock)")
+
+        runner._run_scheduler_loop()
+        done, buffered = account("pass 2 (flush error only)")
+    assert buffered == {by_task[POISON].key}
+    assert done == set(events) - buffered
