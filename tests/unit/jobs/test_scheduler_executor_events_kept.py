@@ -571,3 +571,49 @@ def test_accounting_over_one_batch_with_injected_faults(
         done, buffered = account("pass 2 (flush error only)")
     assert buffered == {by_task[POISON].key}
     assert done == set(events) - buffered
+
+
+@pytest.mark.proves(P_KEEP)
+def test_sqlite_rollback_of_the_batch_puts_back_the_events_taken_in_it(
+    dag_maker, session, scheduler_job_runner, backend
+):
+    """
+    SQLite has no savepoint per event in this series: the rejected UPDATE of one task instance rolls
+    back the batch's whole transaction, with the callback-key and QUEUED events' effects. Those
+    events must then be back in the buffer, and the next pass (without the fault) applies them.
+    """
+    if backend != "sqlite":
+        pytest.skip(
+            f"{backend}: one savepoint per event, the rest of the batch is kept "
+            "(test_flush_error_undoes_only_the_failing_event)"
+        )
+    runner = scheduler_job_runner
+    executor = runner.executor
+    tis = make_running_tis(
+        dag_maker, session, dag_id="sqlite_rollback", task_ids=("queued", POISON), queued_by_job_id=runner.job.id
+    )
+    by_task = {ti.task_id: ti for ti in tis}
+    callback_key = make_queued_callback(session)
+    events = {
+        callback_key: (CallbackState.SUCCESS, None),
+        by_task["queued"].key: (TaskInstanceState.QUEUED, "external-id-1"),
+        by_task[POISON].key: (TaskInstanceState.FAILED, None),
+    }
+    executor.event_buffer.update(events)
+    session.expunge_all()
+
+    with reject_updates_of(POISON):
+        runner._process_executor_events(executor=executor, session=session)
+        session.commit()
+    callback_applied = committed_callback_state(callback_key) == CallbackState.SUCCESS
+    queued_applied = committed_ti("sqlite_rollback", "queued")[1] == "external-id-1"
+    assert callback_applied or callback_key in executor.event_buffer, "callback event lost"
+    assert queued_applied or by_task["queued"].key in executor.event_buffer, "QUEUED event lost"
+    assert by_task[POISON].key in executor.event_buffer
+
+    runner._process_executor_events(executor=executor, session=session)
+    session.commit()
+    assert committed_callback_state(callback_key) == CallbackState.SUCCESS
+    assert committed_ti("sqlite_rollback", "queued") == (TaskInstanceState.RUNNING, "external-id-1")
+    assert committed_ti("sqlite_rollback", POISON)[0] == TaskInstanceState.UP_FOR_RETRY
+    assert executor.event_buffer == {}
