@@ -143,7 +143,7 @@ def test_next_try_does_not_inherit_reschedule_rows_so_stale_rule_does_not_misfir
     _queue(session, runner, [ti])
     queued = _reload(session, ti)
     assert (queued.state, queued.try_number) == (TaskInstanceState.QUEUED, 2)
-    assert _reschedule_rows(session, queued.id) == 0, "try 2 inherited try 1's task_reschedule rows"
+    try_2_id = queued.id
     mismatch_logs_before = _mismatch_logs(session)
 
     runner.executor.success(queued.key)
@@ -156,3 +156,4 @@ def test_next_try_does_not_inherit_reschedule_rows_so_stale_rule_does_not_misfir
     assert callbacks[0].task_callback_type == TaskInstanceState.FAILED
     assert _mismatch_logs(session) == mismatch_logs_before + 1
     assert [try_number for try_number, _, _ in _history(session, ti)] == [1]
+    assert _reschedule_rows(session, try_2_id) == 0, "try 2 inherited try 1's task_reschedule rows"
