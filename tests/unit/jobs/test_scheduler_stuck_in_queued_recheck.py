@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from datetime import timedelta
 
 import pytest
@@ -29,7 +30,9 @@ from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance
 from airflow.models.trigger import Trigger
 from airflow.utils.state import TaskInstanceState
+from tests.unit.jobs.test_scheduler_heartbeat_timeout import lock_wait_timeout
 from tests.unit.jobs.test_scheduler_stale_executor_events import _make_deferrable, _queue, _reload, _schedule
+from tests.unit.ti_race import WAIT, lock_waiters, wait_until
 
 PATCH = "Re-check-task-instances-stuck-in-queued-under-the-row-lock.patch"
 
@@ -177,3 +180,63 @@ def test_task_instance_still_stuck_is_failed_with_a_failure_callback_type(
     assert len(callbacks) == 1
     assert callbacks[0].task_callback_type == TaskInstanceState.FAILED
     assert callbacks[0].is_failure_callback
+
+
+@pytest.mark.backend("postgres", "mysql")
+@pytest.mark.proves(PATCH)
+def test_worker_start_after_the_recheck_waits_and_finds_the_try_rescheduled(
+    session, other_session, scheduler_job_runner, stuck_ti, monkeypatch
+):
+    """
+    The worker's ``PATCH /run`` comes after the re-check: it waits for the handler's row lock.
+
+    The worker (second connection) locks the TI row as the execution API's ``ti_run`` does and
+    starts the try only if it is still queued. It is started while the handler is between its
+    re-check and its write (in ``revoke_task``); the handler goes on once the worker is seen
+    waiting for the row lock (or has finished: 3.3.2 takes no lock, so the worker starts the
+    try and the handler then resets it to scheduled: a duplicate run).
+    """
+    runner = scheduler_job_runner
+    lock_wait_timeout(other_session, int(WAIT))
+    result: dict = {}
+    done = threading.Event()
+
+    def worker() -> None:
+        try:
+            other_session.execute(
+                select(TaskInstance.id).where(TaskInstance.id == stuck_ti.id).with_for_update()
+            )
+            result["started"] = other_session.execute(
+                update(TaskInstance)
+                .where(TaskInstance.id == stuck_ti.id, TaskInstance.state == TaskInstanceState.QUEUED)
+                .values(state=TaskInstanceState.RUNNING, start_date=timezone.utcnow())
+            ).rowcount
+            other_session.commit()
+        except Exception as error:  # reported below, in the test's thread
+            result["error"] = error
+        finally:
+            done.set()
+
+    worker_thread = threading.Thread(target=worker, name="worker-patch-run")
+    record_revoke = runner.executor.revoke_task
+
+    def revoke_while_the_worker_starts(*, ti):
+        worker_thread.start()
+        wait_until(
+            lambda: done.is_set() or lock_waiters() >= 1,
+            "the worker waits for the task instance's row lock (or has finished)",
+        )
+        record_revoke(ti=ti)
+
+    monkeypatch.setattr(runner.executor, "revoke_task", revoke_while_the_worker_starts)
+    runner._handle_tasks_stuck_in_queued(session=session)
+    session.commit()
+    assert done.wait(WAIT), "the worker never finished"
+    worker_thread.join(WAIT)
+
+    assert "error" not in result, result
+    after = _reload(session, stuck_ti)
+    assert (result["started"], after.state) == (0, TaskInstanceState.SCHEDULED), (
+        "the worker started a try that stuck-in-queued handling then reset to scheduled"
+    )
+    assert runner.executor.revoked == [stuck_ti.key]
