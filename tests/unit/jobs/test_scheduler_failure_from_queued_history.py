@@ -17,6 +17,9 @@ process died before it reported) was ignored as stale instead of failing the try
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import httpx
 import pytest
 from sqlalchemy import func, select
 
@@ -33,12 +36,21 @@ from tests.unit.jobs.test_scheduler_stale_executor_events import (
     _reload,
     _schedule,
     _second_poke_reaches,
-    execution_api,  # noqa: F401  (fixture)
 )
 
 PATCH = "Record-TaskInstanceHistory-when-a-task-fails-from-a-non-running-state.patch"
 
 pytestmark = pytest.mark.db_test
+
+
+@pytest.fixture(scope="module")
+def execution_api() -> Iterator[httpx.Client]:
+    """The real execution API app in process, as in test_scheduler_stale_executor_events."""
+    from airflow.api_fastapi.execution_api.app import InProcessExecutionAPI
+
+    api = InProcessExecutionAPI()
+    with httpx.Client(transport=api.transport, base_url="http://in-process.invalid/") as client:
+        yield client
 
 
 def _history(session, ti) -> list[tuple[int, str, str]]:
@@ -57,7 +69,9 @@ def _history(session, ti) -> list[tuple[int, str, str]]:
 
 
 def _reschedule_rows(session, ti_id) -> int:
-    return session.scalar(select(func.count()).select_from(TaskReschedule).where(TaskReschedule.ti_id == ti_id))
+    return session.scalar(
+        select(func.count()).select_from(TaskReschedule).where(TaskReschedule.ti_id == ti_id)
+    )
 
 
 @pytest.mark.proves(PATCH)
