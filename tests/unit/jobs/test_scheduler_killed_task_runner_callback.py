@@ -218,3 +218,28 @@ def test_killed_runner_without_callbacks_requests_none_and_a_later_one_is_not_do
             select(Log.event).where(Log.dag_id == ti.dag_id, Log.try_number == ti.try_number)
         ).all()
     assert "task runner killed" in events
+
+
+@pytest.mark.guard
+def test_stuck_in_queued_then_killed_runner_one_failure_callback(dag_maker, session, scheduler_job_runner):
+    """
+    The stuck-in-queued handler fails the try with its failure callback; a worker that picks the
+    workload up afterwards is refused by the API and its supervisor kills the runner (SIGKILL): the
+    event with exit code -9 adds no second callback.
+    """
+    from airflow.models.taskinstance import TaskInstance as TI
+
+    runner = scheduler_job_runner
+    runner._num_stuck_queued_retries = 0
+    ti = running_try(
+        dag_maker, session, "stuck_then_killed", retries=0, try_number=1, state=TaskInstanceState.QUEUED,
+        queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
+    )  # fmt: skip
+    ti = session.get(TI, ti.id)
+
+    runner._maybe_requeue_stuck_ti(ti=ti, session=session, executor=runner.executor)
+    session.commit()
+    executor_event(runner, ti, SUCCESS, runner_exit(SIGKILL_EXIT))
+
+    assert committed_state(ti) == FAILED
+    assert callbacks_of_try(ti) == [FAILED]
