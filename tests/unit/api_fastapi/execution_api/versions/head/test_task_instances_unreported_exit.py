@@ -14,7 +14,9 @@ transaction of that state change, under the task instance's row lock:
 
 * the task process itself when it reported the state (no request from the server);
 * the execution API when the supervisor reports a state the process did not report: not with task-sdk
-  1.3.2, whose report does not say so (documented by a test below; not fixed by this series);
+  1.3.2, whose report does not say so; instead the scheduler, when LocalExecutor's event says a signal
+  killed the runner (``tests/unit/jobs/test_scheduler_killed_task_runner_callback.py``); an executor
+  event without the exit code (CeleryExecutor) still leaves such a try without a callback (below);
 * the executor event of a try still running or queued ("killed externally");
 * the heartbeat-timeout purge;
 * the stuck-in-queued handler (failure callback);
@@ -193,9 +195,11 @@ def test_killed_process_reported_by_sdk_1_3_2_still_gets_no_callback(
 ):
     """
     Known limitation, documented: task-sdk 1.3.2's supervisor reports the SIGKILLed last try as
-    ``failed`` -- the same request as for a task process that failed and ran its callback -- and
-    LocalExecutor then reports ``success`` for the try. The server cannot tell the two apart: no
-    callback (upstream #60858; the supervisor would have to say so, not fixed by this series).
+    ``failed`` -- the same request as for a task process that failed and ran its callback -- and an
+    executor that does not send the runner's exit code (CeleryExecutor: its Celery task returns
+    nothing, the result is SUCCESS) reports ``success`` for the try. The server cannot tell the two
+    apart: no callback (upstream #60858). LocalExecutor sends the exit code: see
+    ``tests/unit/jobs/test_scheduler_killed_task_runner_callback.py``.
     """
     runner = scheduler_job_runner
     ti = running_try(

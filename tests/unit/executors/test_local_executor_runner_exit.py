@@ -1,0 +1,67 @@
+# Licensed under the Apache License, Version 2.0 (the "License"); see the Apache Airflow project.
+"""LocalExecutor sends the task runner's non-zero exit code with the workload's event (upstream #60858)."""
+
+from __future__ import annotations
+
+import multiprocessing
+from multiprocessing import SimpleQueue
+
+import pytest
+
+from airflow.executors import base_executor, local_executor
+from airflow.executors.base_executor import BaseExecutor
+from airflow.executors.workloads import ExecuteTask
+from airflow.models.taskinstancekey import TaskInstanceKey
+from airflow.utils.state import TaskInstanceState
+
+P_KILLED = "Request-callbacks-for-tries-whose-task-runner-was-killed-by-a-signal.patch"
+
+
+class _Conf:
+    team_name = None
+
+    def get(self, section, key, fallback=None):
+        return fallback
+
+
+KEY = TaskInstanceKey("d", "t", "r", 1, -1)
+
+
+class _Workload(ExecuteTask):
+    """A real ``ExecuteTask`` type built without its fields; the worker reads only these."""
+
+    @property
+    def key(self) -> TaskInstanceKey:
+        return KEY
+
+    @property
+    def display_name(self) -> str:
+        return "t"
+
+    @property
+    def running_state(self) -> None:
+        return None
+
+
+@pytest.mark.proves(P_KILLED)
+@pytest.mark.parametrize(("exit_code", "expected"), [(-9, -9), (1, 1), (0, None)])
+def test_worker_sends_runner_exit_code(monkeypatch, exit_code, expected):
+    """The worker (the supervisor process) runs one workload whose runner exited with ``exit_code``."""
+    key = KEY
+    monkeypatch.setattr(BaseExecutor, "run_workload", staticmethod(lambda workload, **kwargs: exit_code))
+    monkeypatch.setattr(local_executor, "setproctitle", lambda title, logger: None)
+
+    work: SimpleQueue = SimpleQueue()
+    output: SimpleQueue = SimpleQueue()
+    unread = multiprocessing.Value("I", 2)
+    work.put(_Workload.model_construct())
+    work.put(None)
+    local_executor._run_worker("test", work, output, unread, _Conf())
+
+    got_key, state, info = output.get()
+    assert (got_key, state) == (key, TaskInstanceState.SUCCESS)
+    if expected is None:
+        assert info is None
+    else:
+        assert isinstance(info, getattr(base_executor, "TaskRunnerExit", ()))
+        assert info.exit_code == expected

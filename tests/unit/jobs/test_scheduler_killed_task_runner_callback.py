@@ -1,0 +1,245 @@
+# Licensed under the Apache License, Version 2.0 (the "License"); see the Apache Airflow project.
+"""
+A try whose task runner a signal killed gets exactly one callback of its state (upstream #60858).
+
+task-sdk 1.3.2's supervisor reports such a try ``failed`` (last try) or ``up_for_retry`` through the
+execution API, as it reports a runner that failed and ran its callback; LocalExecutor then sends its
+event with the runner's exit code (``TaskRunnerExit``). The scheduler requests the callback of the
+reported state once, unless the try's audit-log rows show that another path already requested one
+or that the supervisor did not report the state.
+
+Real test database; the execution API is Airflow's app in-process (``tests.unit.ti_race``), the
+supervisor's reports are the requests task-sdk 1.3.2 sends. Callback requests are counted from the
+``callback_request`` table the DAG processor reads.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import time_machine
+
+from airflow import settings
+from airflow.executors import base_executor
+from airflow.utils.state import TaskInstanceState
+
+from tests.unit.api_fastapi.execution_api.versions.head.test_task_instances_unreported_exit import (
+    BOTH_CALLBACKS,
+    FAILED,
+    SUCCESS,
+    T0,
+    UP_FOR_RETRY,
+    callbacks_of_try,
+    committed_state,
+    purge,
+    report,
+    running_try,
+)
+from tests.unit.ti_race import ExecutionApi
+
+pytestmark = pytest.mark.db_test
+
+P_KILLED = "Request-callbacks-for-tries-whose-task-runner-was-killed-by-a-signal.patch"
+
+SIGKILL_EXIT = -9
+SIGTERM_EXIT = -15
+
+
+@pytest.fixture(scope="module")
+def api():
+    """Airflow's execution API in-process; warmed up once per module (see ExecutionApi.warm_up)."""
+    execution_api = ExecutionApi()
+    execution_api.warm_up()
+    return execution_api
+
+
+def runner_exit(exit_code: int):
+    """The event ``info`` LocalExecutor sends for a task runner that exited with ``exit_code``.
+
+    Before the patch there is no ``TaskRunnerExit``: the bare exit code stands in for it (3.3.2's
+    LocalExecutor sends no info at all), so the tests fail on their assertions, not on an import.
+    """
+    cls = getattr(base_executor, "TaskRunnerExit", None)
+    return cls(exit_code) if cls is not None else exit_code
+
+
+def executor_event(runner, ti, state: TaskInstanceState, info) -> None:
+    """The executor's event for ``ti``'s try with ``info``, processed as the scheduler loop does."""
+    runner.executor.event_buffer[ti.key] = (state, info)
+    with settings.NonScopedSession() as s:
+        runner._process_executor_events(executor=runner.executor, session=s)
+        s.commit()
+
+
+@pytest.mark.proves(P_KILLED)
+@pytest.mark.parametrize(
+    ("reported", "try_number", "expected"),
+    [("failed", 2, FAILED), ("up_for_retry", 1, UP_FOR_RETRY)],
+    ids=["last-try", "earlier-try"],
+)
+def test_killed_runner_reported_by_supervisor_one_callback(
+    dag_maker, session, api, scheduler_job_runner, reported, try_number, expected
+):
+    """
+    SIGKILL (OOM) of the runner: the supervisor reports the state, LocalExecutor's event carries the
+    exit code -9: exactly one callback of the reported state; a repeated event adds none.
+    """
+    runner = scheduler_job_runner
+    ti = running_try(
+        dag_maker, session, f"killed_{reported}", retries=1, try_number=try_number,
+        queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
+    )  # fmt: skip
+
+    assert report(api, ti.id, reported) == 204
+    executor_event(runner, ti, SUCCESS, runner_exit(SIGKILL_EXIT))
+    executor_event(runner, ti, SUCCESS, runner_exit(SIGKILL_EXIT))
+
+    assert committed_state(ti) == reported
+    assert callbacks_of_try(ti) == [expected]
+
+
+@pytest.mark.guard
+@pytest.mark.parametrize("info", [None, 1], ids=["exit-0", "exit-1"])
+def test_runner_that_reported_itself_gets_no_second_callback(
+    dag_maker, session, api, scheduler_job_runner, info
+):
+    """
+    The runner reported ``failed`` and ran its own callback: it exits 0 (no info), or 1 when it could
+    not deliver the state to its supervisor after its callback ran (task-sdk's fail-closed exit). The
+    supervisor reports ``failed``: no callback from the scheduler.
+    """
+    runner = scheduler_job_runner
+    ti = running_try(
+        dag_maker, session, f"self_reported_{info}", retries=1, try_number=2,
+        queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
+    )  # fmt: skip
+
+    assert report(api, ti.id, "failed") == 204
+    executor_event(runner, ti, SUCCESS, None if info is None else runner_exit(info))
+
+    assert committed_state(ti) == FAILED
+    assert callbacks_of_try(ti) == []
+
+
+@pytest.mark.guard
+def test_heartbeat_purge_then_killed_runner_event_one_callback(dag_maker, session, api, scheduler_job_runner):
+    """
+    The chaos-run combination: the purge requests the timed-out try's callback (and fails it, since
+    "Fail heartbeat-timed-out tries in the same pass"); a late report of the state by the supervisor is
+    then a duplicate the API accepts without writing (200; 204 before that patch); the executor event
+    with exit code -15 adds no second callback.
+    """
+    runner = scheduler_job_runner
+    with time_machine.travel(T0, tick=False) as clock:
+        ti = running_try(
+            dag_maker, session, "purge_then_killed", retries=0, try_number=1,
+            queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
+        )  # fmt: skip
+        session.close()
+        clock.shift(timedelta(seconds=runner._task_instance_heartbeat_timeout_secs + 60))
+        purge(runner)
+        assert report(api, ti.id, "failed") in (200, 204)
+        executor_event(runner, ti, SUCCESS, runner_exit(SIGTERM_EXIT))
+
+    assert committed_state(ti) == FAILED
+    assert callbacks_of_try(ti) == [FAILED]
+
+
+@pytest.mark.guard
+@pytest.mark.parametrize(
+    ("retries", "expected", "status"), [(0, FAILED, 200), (1, UP_FOR_RETRY, 404)], ids=["last", "earlier"]
+)
+def test_event_of_running_try_then_report_one_callback(
+    dag_maker, session, api, scheduler_job_runner, retries, expected, status
+):
+    """
+    The executor event of the killed runner is handled while the try is still running (a task killed
+    externally: one callback); the supervisor's report then changes nothing (a duplicate of the
+    state, 200, or the retried try's id is gone, 404); the same event again adds none.
+    """
+    runner = scheduler_job_runner
+    ti = running_try(
+        dag_maker, session, f"event_then_report_{retries}", retries=retries, try_number=1,
+        queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
+    )  # fmt: skip
+
+    executor_event(runner, ti, FAILED, runner_exit(SIGKILL_EXIT))
+    assert report(api, ti.id, expected) == status
+    executor_event(runner, ti, SUCCESS, runner_exit(SIGKILL_EXIT))
+
+    assert committed_state(ti) == expected
+    assert callbacks_of_try(ti) == [expected]
+
+
+@pytest.mark.guard
+def test_user_marked_failed_then_runner_stopped_no_callback(dag_maker, session, scheduler_job_runner):
+    """
+    A user marks the running try failed (no callback, as upstream documents); the supervisor's next
+    heartbeat gets 409, it stops the runner with SIGTERM and reports nothing; the event's exit code
+    -15 does not make the scheduler request a callback.
+    """
+    runner = scheduler_job_runner
+    ti = running_try(
+        dag_maker, session, "user_marked_then_stopped", retries=1, try_number=1,
+        queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
+    )  # fmt: skip
+
+    dag_maker.serialized_dag.set_task_instance_state(
+        task_id="t", run_id=ti.run_id, state=FAILED, session=session
+    )
+    session.commit()
+    executor_event(runner, ti, SUCCESS, runner_exit(SIGTERM_EXIT))
+
+    assert committed_state(ti) == FAILED
+    assert callbacks_of_try(ti) == []
+
+
+@pytest.mark.proves(P_KILLED)
+def test_killed_runner_without_callbacks_requests_none_and_a_later_one_is_not_doubled(
+    dag_maker, session, api, scheduler_job_runner
+):
+    """A task without callbacks gets no request; the log row records that the try was handled."""
+    from sqlalchemy import select
+
+    from airflow.models import Log
+
+    runner = scheduler_job_runner
+    ti = running_try(
+        dag_maker, session, "killed_no_callbacks", retries=0, try_number=1, queued_by_job_id=runner.job.id
+    )
+
+    assert report(api, ti.id, "failed") == 204
+    executor_event(runner, ti, SUCCESS, runner_exit(SIGKILL_EXIT))
+
+    assert callbacks_of_try(ti) == []
+    with settings.NonScopedSession() as s:
+        events = s.scalars(
+            select(Log.event).where(Log.dag_id == ti.dag_id, Log.try_number == ti.try_number)
+        ).all()
+    assert "task runner killed" in events
+
+
+@pytest.mark.guard
+def test_stuck_in_queued_then_killed_runner_one_failure_callback(dag_maker, session, scheduler_job_runner):
+    """
+    The stuck-in-queued handler fails the try with its failure callback; a worker that picks the
+    workload up afterwards is refused by the API and its supervisor kills the runner (SIGKILL): the
+    event with exit code -9 adds no second callback.
+    """
+    from airflow.models.taskinstance import TaskInstance as TI
+
+    runner = scheduler_job_runner
+    runner._num_stuck_queued_retries = 0
+    ti = running_try(
+        dag_maker, session, "stuck_then_killed", retries=0, try_number=1, state=TaskInstanceState.QUEUED,
+        queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
+    )  # fmt: skip
+    ti = session.get(TI, ti.id)
+
+    runner._maybe_requeue_stuck_ti(ti=ti, session=session, executor=runner.executor)
+    session.commit()
+    executor_event(runner, ti, SUCCESS, runner_exit(SIGKILL_EXIT))
+
+    assert committed_state(ti) == FAILED
+    assert callbacks_of_try(ti) == [FAILED]
