@@ -438,7 +438,15 @@ def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[st
     only = set(getattr(args, "only", "purge,listener,concurrent").split(","))
     if only == {"slowlistener"}:  # a run of benchmark 5 alone: leave out the empty tables 1-4
         head = out[: out.index("## 1. Heartbeat-timeout purge scaling") - 1]
-        out = head + [""] + out[out.index("## 5. A slow `on_task_instance_failed` listener and the scheduler loop (issue 17)") :]
+        out = (
+            head
+            + [""]
+            + out[
+                out.index(
+                    "## 5. A slow `on_task_instance_failed` listener and the scheduler loop (issue 17)"
+                ) :
+            ]
+        )
     return "\n".join(out)
 
 
@@ -447,7 +455,9 @@ def main() -> int:
     p.add_argument("--backend", default=os.environ.get("BACKEND", "sqlite"))
     p.add_argument("--root", type=Path, default=HERE.parent, help="project root (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="smoke sizes: N=10,100, 1 repeat, 3 s concurrency")
-    p.add_argument("--only", default="purge,listener,concurrent", help="any of purge,listener,concurrent,slowlistener")
+    p.add_argument(
+        "--only", default="purge,listener,concurrent", help="any of purge,listener,concurrent,slowlistener"
+    )
     p.add_argument("--repeats", type=int)
     p.add_argument("--sizes", help="purge sizes, e.g. 10,100,500 (default 10,100,500,1000)")
     p.add_argument("--variants", default="base,series")
@@ -506,7 +516,12 @@ def main() -> int:
                     cmd += ["--repeats", str(args.repeats)]
                 if args.sizes:
                     cmd += ["--sizes", args.sizes]
-                cmd += ["--slow-listener", str(args.slow_listener), "--slow-failures", str(args.slow_failures)]
+                cmd += [
+                    "--slow-listener",
+                    str(args.slow_listener),
+                    "--slow-failures",
+                    str(args.slow_failures),
+                ]
                 proc = subprocess.run(cmd)
                 if proc.returncode or not out.is_file():
                     raise SystemExit(f"worker for {variant} failed (exit {proc.returncode})")

@@ -598,7 +598,9 @@ def bench_slow_listener(latency: float, n: int) -> list[dict]:
         H.reset_executor(runner.executor)
         with settings.NonScopedSession() as s:
             (dr,) = H.create_runs(dag, 1, session=s, start=run_no)
-            H.set_running(s, (TI.dag_id == dag.dag_id, TI.run_id == dr.run_id), job_id=runner.job.id, heartbeat_age_s=0)
+            H.set_running(
+                s, (TI.dag_id == dag.dag_id, TI.run_id == dr.run_id), job_id=runner.job.id, heartbeat_age_s=0
+            )
             for ti in s.scalars(select(TI).where(TI.dag_id == dag.dag_id, TI.run_id == dr.run_id)):
                 runner.executor.event_buffer[ti.key] = (FAILED, None)
         settings.Session.remove()
@@ -618,7 +620,9 @@ def bench_slow_listener(latency: float, n: int) -> list[dict]:
         with settings.NonScopedSession() as s:
             states = dict(
                 s.execute(
-                    select(TI.state, func.count()).where(TI.dag_id == dag.dag_id, TI.run_id == dr.run_id).group_by(TI.state)
+                    select(TI.state, func.count())
+                    .where(TI.dag_id == dag.dag_id, TI.run_id == dr.run_id)
+                    .group_by(TI.state)
                 ).all()
             )
         out.append(
