@@ -15,13 +15,20 @@ answered), then failure handling carries on.
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit.ti_race import ExecutionApi, Pause, Worker, lock_waiters, make_running_tis, read_rows, wait_until
+from tests.unit.ti_race import (
+    ExecutionApi,
+    Pause,
+    Worker,
+    lock_waiters,
+    make_running_tis,
+    read_rows,
+    wait_until,
+)
 
 pytestmark = pytest.mark.db_test
 
@@ -57,7 +64,9 @@ def test_heartbeat_during_failure_handling_does_not_deadlock(dag_maker, session,
     # The scheduler's first statement that locks the task instance row: failure handling's
     # SELECT ... FOR UPDATE (series) or the UPDATE of the row (3.3.2).
     scheduler = Worker(handle, name="scheduler")
-    pause = Pause(r"^\s*SELECT\b.*\bFROM task_instance\b.*\bFOR UPDATE\s*$|^\s*UPDATE task_instance\b", thread=scheduler)
+    pause = Pause(
+        r"^\s*SELECT\b.*\bFROM task_instance\b.*\bFOR UPDATE\s*$|^\s*UPDATE task_instance\b", thread=scheduler
+    )
     heartbeat = Worker(lambda: api.heartbeat(ti_id, hostname="worker-1", pid=PID), name="heartbeat")
     try:
         scheduler.start()
