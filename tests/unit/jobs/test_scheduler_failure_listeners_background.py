@@ -248,3 +248,52 @@ def test_scheduler_loop_shutdown_logs_pending_listener_calls(
         assert f"{ti.dag_id}.{ti.task_id} run_id={ti.run_id}" in caplog.text
     rows = session.execute(select(TI.state).where(TI.dag_id.in_([ti.dag_id for ti in tis]))).scalars().all()
     assert rows == [UP_FOR_RETRY, UP_FOR_RETRY]
+
+
+class ChangingListener(BlockingListener):
+    """A BlockingListener that also changes the task instance it gets (it must not be written)."""
+
+    @hookimpl
+    def on_task_instance_failed(self, previous_state, task_instance, error):
+        task_instance.hostname = "changed-by-listener"
+        super().on_task_instance_failed(previous_state, task_instance, error)
+
+
+@pytest.mark.proves(P_BACKGROUND)
+def test_a_rolled_back_failure_gets_no_call_and_listener_changes_are_not_written(
+    dag_maker, session, scheduler_job_runner, listener_manager
+):
+    """
+    The first handling of a FAILED executor event fails in the database (a foreign-key error on the
+    UPDATE of the TI's id) and is rolled back; the next pass handles it. While the first call is
+    blocked, both passes return; the failed try then gets exactly one listener call, and what the
+    listener changed on its task instance is not written. Before: the second pass waited for the
+    listener.
+    """
+    from tests.unit.jobs.test_scheduler_survives_failure_handling import ForeignKeyViolationOnce
+
+    listener = ChangingListener()
+    listener_manager.add_listener(listener)
+    runner = scheduler_job_runner
+    (ti,) = failed_events(dag_maker, session, runner, "bg_rollback", 1)
+    try:
+        with in_background(runner):
+            injected = ForeignKeyViolationOnce([ti.id])
+            try:
+                runner._process_executor_events(executor=runner.executor, session=session)
+                session.commit()
+            finally:
+                injected.remove()
+            assert injected.fired
+            assert list(runner.executor.event_buffer), "the event was not put back for the next pass"
+            runner._process_executor_events(executor=runner.executor, session=session)
+            session.commit()
+            assert not listener.returned[0].is_set(), "the scheduler's step waited for the listener"
+            listener.release.set()
+            assert listener.returned[0].wait(WAIT)
+    finally:
+        listener.release.set()
+    assert len(listener.calls) == 1
+    assert listener.calls[0]["state"] == UP_FOR_RETRY
+    hostnames = session.execute(select(TI.hostname).where(TI.dag_id == ti.dag_id)).scalars().all()
+    assert hostnames == ["worker-1"]
