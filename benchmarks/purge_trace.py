@@ -15,13 +15,13 @@ import sys
 import threading
 
 sys.path.insert(0, sys.argv[1] + "/benchmarks")
-import worker as W
+import worker as W  # noqa: E402  (sets up the environment before airflow is imported)
 
 H = W.H
-from sqlalchemy import event
-from airflow import settings
-from airflow.models.taskinstance import TaskInstance as TI
-from airflow.utils.session import create_session
+from sqlalchemy import event  # noqa: E402
+from airflow import settings  # noqa: E402
+from airflow.models.taskinstance import TaskInstance as TI  # noqa: E402
+from airflow.utils.session import create_session  # noqa: E402
 
 H.reset_schema()
 H.clear_db()
