@@ -296,6 +296,48 @@ def concurrent_notes(res: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def slow_listener_table(res: dict[str, dict]) -> str:
+    rows = []
+    for variant, r in res.items():
+        by_lat = {x["latency"]: x for x in r.get("slow_listener", [])}
+        if not by_lat:
+            continue
+        noop = by_lat.get(0.0)
+        for lat, x in sorted(by_lat.items()):
+            extra = x["step_seconds"] - noop["step_seconds"] if noop and lat else None
+            rows.append(
+                [
+                    variant,
+                    "background thread" if x["background"] else "scheduler thread",
+                    f"{lat:g}",
+                    x["failures"],
+                    f"{x['step_seconds']:.3f}",
+                    f"{extra:.3f}" if extra is not None else "-",
+                    x["listener_calls_done_in_step"],
+                    f"{x['shutdown_seconds']:.1f}" if x["background"] else "-",
+                    x["listener_calls_done_by_shutdown"],
+                    ", ".join(f"{k} {v}" for k, v in sorted(x["states"].items())),
+                    x["error"] or "-",
+                ]
+            )
+    return table(
+        [
+            "tree",
+            "listeners run on",
+            "listener s",
+            "FAILED events in the step",
+            "scheduler step s",
+            "extra s (vs no-op listener)",
+            "listener calls finished within the step",
+            "shutdown wait s",
+            "listener calls finished by the end of shutdown",
+            "TI states after",
+            "errors",
+        ],
+        rows,
+    )
+
+
 def matrix_section(backend: str) -> str:
     f = HERE / "results" / f"matrix-{backend}.md"
     if f.is_file():
@@ -379,6 +421,32 @@ def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[st
         matrix_section(backend),
         "",
     ]
+    if any("slow_listener" in r for r in res.values()):
+        out += [
+            "## 5. A slow `on_task_instance_failed` listener and the scheduler loop (issue 17)",
+            "",
+            "One scheduler step: N FAILED executor events through `_process_executor_events` in "
+            "`create_session()`, run as `SchedulerJobRunner._execute` runs its loop (inside "
+            "`runner.failure_listeners_in_background()` where the tree has it), once with a no-op listener "
+            "and once with a listener sleeping L s. Extra = step with the slow listener - step with the "
+            "no-op one: what the listener adds to one loop iteration (and to the scheduler job's "
+            "heartbeat age). Shutdown wait: the series waits up to 5 s for queued calls, then logs them.",
+            "",
+            slow_listener_table(res),
+            "",
+        ]
+    only = set(getattr(args, "only", "purge,listener,concurrent").split(","))
+    if only == {"slowlistener"}:  # a run of benchmark 5 alone: leave out the empty tables 1-4
+        head = out[: out.index("## 1. Heartbeat-timeout purge scaling") - 1]
+        out = (
+            head
+            + [""]
+            + out[
+                out.index(
+                    "## 5. A slow `on_task_instance_failed` listener and the scheduler loop (issue 17)"
+                ) :
+            ]
+        )
     return "\n".join(out)
 
 
@@ -387,10 +455,14 @@ def main() -> int:
     p.add_argument("--backend", default=os.environ.get("BACKEND", "sqlite"))
     p.add_argument("--root", type=Path, default=HERE.parent, help="project root (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="smoke sizes: N=10,100, 1 repeat, 3 s concurrency")
-    p.add_argument("--only", default="purge,listener,concurrent")
+    p.add_argument(
+        "--only", default="purge,listener,concurrent", help="any of purge,listener,concurrent,slowlistener"
+    )
     p.add_argument("--repeats", type=int)
     p.add_argument("--sizes", help="purge sizes, e.g. 10,100,500 (default 10,100,500,1000)")
     p.add_argument("--variants", default="base,series")
+    p.add_argument("--slow-listener", type=float, default=10.0, help="benchmark 5: listener seconds")
+    p.add_argument("--slow-failures", type=int, default=100, help="benchmark 5: FAILED events in one step")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<backend>.md")
     p.add_argument(
         "--render", type=Path, metavar="JSON", help="only re-write the tables from a run's raw JSON"
@@ -444,6 +516,12 @@ def main() -> int:
                     cmd += ["--repeats", str(args.repeats)]
                 if args.sizes:
                     cmd += ["--sizes", args.sizes]
+                cmd += [
+                    "--slow-listener",
+                    str(args.slow_listener),
+                    "--slow-failures",
+                    str(args.slow_failures),
+                ]
                 proc = subprocess.run(cmd)
                 if proc.returncode or not out.is_file():
                     raise SystemExit(f"worker for {variant} failed (exit {proc.returncode})")

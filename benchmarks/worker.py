@@ -574,6 +574,74 @@ def bench_concurrent(duration: float, m: int, batch: int, latencies: list[float]
 
 
 # =============================================================================================
+def bench_slow_listener(latency: float, n: int) -> list[dict]:
+    """
+    Issue 17, target 4: the scheduler loop's extra time with a slow ``on_task_instance_failed``
+    listener. One scheduler step handles ``n`` FAILED executor events (``_process_executor_events``
+    in ``create_session()``, one DAG run of ``n`` tasks, ``retries=1``), run the way
+    ``SchedulerJobRunner._execute`` runs its loop: inside ``runner.failure_listeners_in_background()``
+    where the tree has it (the series), plainly otherwise (the base). Measured once with a no-op
+    listener and once with a listener sleeping ``latency`` s; extra = slow step - no-op step. The
+    shutdown of the background calls (series) is timed apart and is not part of the step.
+    """
+    import contextlib
+
+    H.clear_db()
+    runner = H.make_runner()
+    with settings.NonScopedSession() as s:
+        dag = H.write_dag("bench_slow_listener", n, retries=1, session=s)
+    background = getattr(runner, "failure_listeners_in_background", None)
+    out = []
+    for run_no, lat in enumerate([0.0, latency]):
+        LISTENER.latency = lat
+        LISTENER.calls.clear()
+        H.reset_executor(runner.executor)
+        with settings.NonScopedSession() as s:
+            (dr,) = H.create_runs(dag, 1, session=s, start=run_no)
+            H.set_running(
+                s, (TI.dag_id == dag.dag_id, TI.run_id == dr.run_id), job_id=runner.job.id, heartbeat_age_s=0
+            )
+            for ti in s.scalars(select(TI).where(TI.dag_id == dag.dag_id, TI.run_id == dr.run_id)):
+                runner.executor.event_buffer[ti.key] = (FAILED, None)
+        settings.Session.remove()
+        err = None
+        ctx = background() if background is not None else contextlib.nullcontext()
+        ctx.__enter__()
+        t0 = time.perf_counter()
+        try:
+            with create_session() as session:
+                runner._process_executor_events(runner.executor, session)
+        except Exception as e:
+            err = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        t1 = time.perf_counter()
+        done_in_step = sum(1 for c in LISTENER.calls if c[1] <= t1)
+        ctx.__exit__(None, None, None)
+        t2 = time.perf_counter()
+        with settings.NonScopedSession() as s:
+            states = dict(
+                s.execute(
+                    select(TI.state, func.count())
+                    .where(TI.dag_id == dag.dag_id, TI.run_id == dr.run_id)
+                    .group_by(TI.state)
+                ).all()
+            )
+        out.append(
+            {
+                "latency": lat,
+                "failures": n,
+                "background": background is not None,
+                "step_seconds": t1 - t0,
+                "listener_calls_done_in_step": done_in_step,
+                "listener_calls_done_by_shutdown": len(LISTENER.calls),
+                "shutdown_seconds": t2 - t1,
+                "states": {str(k): v for k, v in states.items()},
+                "error": err,
+            }
+        )
+        print(f"[slow_listener] {out[-1]}", flush=True)
+    return out
+
+
 def tree_facts(root: Path) -> dict:
     tree = root / "airflow-core"
 
@@ -597,6 +665,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int)
     p.add_argument("--sizes", help="purge sizes, e.g. 10,100,500 (default 10,100,500,1000)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slow-listener", type=float, default=10.0, help="slowlistener: listener seconds")
+    p.add_argument("--slow-failures", type=int, default=100, help="slowlistener: failures in one step")
     args = p.parse_args()
     random.seed(args.seed)
     only = set(args.only.split(","))
@@ -645,6 +715,11 @@ def main() -> int:
                 result["concurrent"] = bench_concurrent(20.0, 100, 10, [0.0, 0.02])
         except Exception:
             errors["concurrent"] = traceback.format_exc()
+    if "slowlistener" in only:
+        try:
+            result["slow_listener"] = bench_slow_listener(args.slow_listener, args.slow_failures)
+        except Exception:
+            errors["slowlistener"] = traceback.format_exc()
     result["errors"] = errors
     for k, v in errors.items():
         print(f"[{args.variant}] benchmark {k} failed:\n{v}", file=sys.stderr, flush=True)

@@ -211,6 +211,18 @@ class ExecutionApi:
             )
         return response.status_code
 
+    def heartbeat(self, ti_id, *, hostname: str, pid: int) -> int:
+        """``PUT /task-instances/{id}/heartbeat`` (``TIHeartbeatInfo``); the status code."""
+        import httpx
+
+        with httpx.Client(transport=self._transport, base_url="http://in-process.invalid./") as client:
+            response = client.put(
+                f"/task-instances/{ti_id}/heartbeat",
+                json={"hostname": hostname, "pid": pid},
+                headers={"Authorization": "Bearer in-process"},
+            )
+        return response.status_code
+
     def reschedule_in_thread(self, ti_id) -> Worker:
         worker = Worker(lambda: self.reschedule(ti_id), name="execution-api")
         worker.start()
