@@ -4,7 +4,8 @@ Print the series' status: each patch's upstream issue and status, and how it far
 
 One markdown table: patch, subject, upstream issue (``Bug:``), upstream status (``Forwarded:`` /
 ``Applied-Upstream:``), files touched, and one column per release in ``[tool.airflow-series]
-status-bases`` of ``pyproject.toml`` (version = sdist sha256; default: the pinned base alone):
+bases`` of ``pyproject.toml`` (version = sdist sha256); the queue is the selected base's
+(``USE_AIRFLOW_VERSION``, default: the newest, ``patches/series``):
 
 * ``applies``           the patch applies cleanly (``git apply --check``);
 * ``already contained`` it does not, but its reverse does: the release has the change, drop the patch;
@@ -34,9 +35,8 @@ APPLIES, CONTAINED = "applies", "already contained"
 
 
 def status_bases(root: Path) -> dict[str, str]:
-    """Release -> sdist sha256 from ``status-bases`` (default: the pinned base)."""
-    cfg = tree.read_config(root)
-    return dict(cfg.get("status-bases") or {cfg["version"]: cfg["sdist-sha256"]})
+    """Release -> sdist sha256 of every supported base (``[tool.airflow-series.bases]``)."""
+    return dict(tree.read_config(root)["bases"])
 
 
 def files_touched(patch: Path) -> list[str]:
