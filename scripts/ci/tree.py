@@ -276,7 +276,8 @@ def fetch_sdist(cfg: dict[str, str]) -> Path:
         spec = f"{cfg['package']}=={cfg['version']}"
         # A venv made by uv has no pip: use uv's ephemeral pip there.
         pip = [sys.executable, "-m", "pip"] if importlib.util.find_spec("pip") else ["uvx", "pip"]
-        cmd = [*pip, "download", "--no-deps", "--no-binary", ":all:", "-d", str(dest)]
+        # the sdist of the package only: its build backend comes as wheels (":all:" builds those from source too)
+        cmd = [*pip, "download", "--no-deps", "--no-binary", cfg["package"], "-d", str(dest)]
         proc = subprocess.run([*cmd, spec], text=True, capture_output=True)
         found = sorted(dest.glob(f"{name}-{cfg['version']}.tar.gz"))
         if proc.returncode or not found:

@@ -45,6 +45,8 @@ from airflow.providers.standard.sensors.time_delta import TimeDeltaSensor
 from airflow.triggers.base import TriggerEvent
 from airflow.utils.state import TaskInstanceState
 
+from tests.unit.conftest import guard_since
+
 PATCH = "Ignore-stale-executor-events-from-an-earlier-process-of-the-live-try.patch"
 
 pytestmark = pytest.mark.db_test
@@ -315,11 +317,11 @@ def test_defer_exit_success_drained_late_does_not_fail_resumed_attempt(
     assert _mismatch_logs(session) == 0
 
 
-@pytest.mark.guard
+@guard_since("3.2.0", PATCH)  # 3.1.x fails the resumed try: the stale-event patch there covers it
 def test_defer_exit_success_drained_late_while_resume_is_scheduled(
     dag_maker, session, scheduler_job_runner, execution_api
 ):
-    """Guard: the SCHEDULED case of #72716 is already handled by 3.3.2 and must stay so."""
+    """The SCHEDULED case of #72716: handled since 3.2 (a guard there); on 3.1.x the stale-event patch."""
     runner = scheduler_job_runner
     dag_run, (ti,) = _make_deferrable(dag_maker, session)
     _deferred_and_resumed(session, runner, execution_api, dag_run, [ti], TaskInstanceState.SCHEDULED)
