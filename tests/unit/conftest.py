@@ -60,6 +60,11 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split(".")[:3])
 
 
+def carries(patch: str) -> bool:
+    """Whether the queue of the base under test carries ``patch`` (for tests that need a later patch)."""
+    return patch in (read_series(SERIES_FILE) or ())
+
+
 def guard_since(version: str, patch: str):
     """Marker: a guard on bases from ``version`` on, which already behave so; on an older base, where a
     patch of its queue brings the behaviour, a regression test of ``patch`` (compat across bases)."""
