@@ -76,7 +76,10 @@ def install(session: nox.Session, backend: str) -> None:
     # install of airflow-core does not create (upstream's monorepo finds it by relative path instead).
     purelib = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
                           silent=True).strip()  # fmt: skip
-    link, templates = Path(purelib) / "airflow" / "config_templates", CORE / "src" / "airflow" / "config_templates"
+    link, templates = (
+        Path(purelib) / "airflow" / "config_templates",
+        CORE / "src" / "airflow" / "config_templates",
+    )
     if link.is_symlink() and link.resolve() != templates.resolve():
         link.unlink()  # made for another tree of this project
     if not link.exists():

@@ -53,7 +53,9 @@ def not_carried(root: Path) -> list[tuple[str, str]]:
     for line in (tree.patches_dir(root) / "series").read_text().splitlines():
         if m := NOT_CARRIED.match(line.strip()):
             reasons[m.group(1)] = m.group(2).strip()
-    default = [line.split("#", 1)[0].strip() for line in (root / "patches" / "series").read_text().splitlines()]
+    default = [
+        line.split("#", 1)[0].strip() for line in (root / "patches" / "series").read_text().splitlines()
+    ]
     return [(n, reasons.get(n, "no reason recorded in its series")) for n in default if n and n not in ours]
 
 

@@ -412,7 +412,8 @@ def prepare(root: Path) -> str:
     tree = core_dir(root)
     name = f"{tree.name}/"
     with locked(root, "tree.py prepare"):
-        for stale in root.glob(f"{tree.name}.*"):  # left by a killed run (SIGKILL): ours, unused (we hold the lock)
+        # left by a killed run (SIGKILL): ours, unused (we hold the lock)
+        for stale in root.glob(f"{tree.name}.*"):
             if (stale / TEMP_MARK).is_file():
                 shutil.rmtree(stale, ignore_errors=True)
         if tree.exists() or tree.is_symlink():

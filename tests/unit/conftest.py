@@ -72,6 +72,7 @@ def guard_since(version: str, patch: str):
 
     return pytest.mark.guard if _release(BASE_VERSION) >= _release(version) else pytest.mark.proves(patch)
 
+
 if not os.environ.get("AIRFLOW_HOME"):
     import atexit
     import shutil
@@ -381,7 +382,10 @@ def make_engine() -> Engine:
         from sqlalchemy import create_engine
 
         engine = create_engine(
-            settings.SQL_ALCHEMY_CONN, connect_args=connect_args, **settings.prepare_engine_args(), future=True
+            settings.SQL_ALCHEMY_CONN,
+            connect_args=connect_args,
+            **settings.prepare_engine_args(),
+            future=True,
         )
     setup_event_handlers(engine)
     return engine

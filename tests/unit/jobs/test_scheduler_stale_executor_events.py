@@ -389,7 +389,9 @@ def test_failed_event_of_live_attempt_is_never_stale(
 
 
 @pytest.mark.proves(PATCH)
-@pytest.mark.skipif(not carries(P_PURGE), reason=f"needs {P_PURGE} (the purge fails the try), not in this queue")
+@pytest.mark.skipif(
+    not carries(P_PURGE), reason=f"needs {P_PURGE} (the purge fails the try), not in this queue"
+)
 def test_second_poke_killed_without_heartbeat_is_failed_by_the_purge_once(
     dag_maker, session, scheduler_job_runner, execution_api
 ):
