@@ -117,3 +117,18 @@ def test_cli_names_conflict_and_fails_on_the_pinned_base(project: Path):
     assert "a patch conflicts with the pinned base 3.3.2" in proc.stderr
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| hb-callback-type.patch |"))
     assert row.count(f"CONFLICT ({SJR}") == 2, row
+
+
+def test_older_base_lists_the_default_patches_it_does_not_carry(tmp_path: Path, monkeypatch):
+    root = tmp_path / "project"
+    (root / "patches" / "3.1.8").mkdir(parents=True)
+    (root / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    (root / "patches" / "series").write_text("# default queue\na.patch\nb.patch\n")
+    (root / "patches" / "3.1.8" / "series").write_text("# queue of 3.1.8\n# - a.patch: already in 3.1.8\n")
+    monkeypatch.setenv("USE_AIRFLOW_VERSION", "3.1.8")
+    assert series_status.not_carried(root) == [
+        ("a.patch", "already in 3.1.8"),
+        ("b.patch", "no reason recorded in its series"),
+    ]
+    monkeypatch.delenv("USE_AIRFLOW_VERSION")
+    assert series_status.not_carried(root) == []
