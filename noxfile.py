@@ -37,6 +37,7 @@ except tree.TreeError as e:
     sys.exit(f"noxfile.py: {e}")
 if not tree.is_default(ROOT):
     nox.options.envdir = f".nox/{BASE['version']}"
+PINS = tree.read_config(ROOT).get("pins", {}).get(BASE["version"], [])  # [tool.airflow-series.pins]
 BASE_LINE = f"base: {BASE['package']} {BASE['version']} ({CORE.name}/, {QUEUE.relative_to(ROOT)}/series)"
 
 nox.options.default_venv_backend = "uv"
@@ -71,7 +72,7 @@ def install(session: nox.Session, backend: str) -> None:
     pkg = ["pkg-config", "--exists", "mysqlclient"]
     if backend == "mysql" and (not shutil.which("pkg-config") or subprocess.run(pkg).returncode):
         session.error("mysqlclient needs pkg-config and Debian's default-libmysqlclient-dev to build")
-    session.install("--no-sources", "-e", str(CORE), *DRIVERS[backend], *TEST_DEPS)
+    session.install("--no-sources", "-e", str(CORE), *PINS, *DRIVERS[backend], *TEST_DEPS)
     # PyPI's task-sdk reads core's config_templates from site-packages/airflow/, which an editable
     # install of airflow-core does not create (upstream's monorepo finds it by relative path instead).
     purelib = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
@@ -187,7 +188,7 @@ def soak_providers(session: nox.Session, backend: str) -> None:
     """Install the providers with the editable tree in one resolution, so pip keeps the patched core."""
     install(session, backend)
     meta = f"apache-airflow=={tree.base_config(ROOT)['version']}"
-    session.install("--no-sources", "-e", str(CORE), meta, *SOAK_PROVIDERS)
+    session.install("--no-sources", "-e", str(CORE), *PINS, meta, *SOAK_PROVIDERS)
     code = "import airflow.models.taskinstance as m; print(m.__file__)"
     used = Path(session.run("python", "-c", code, silent=True).strip().splitlines()[-1])
     patched = CORE / "src" / "airflow" / "models" / "taskinstance.py"

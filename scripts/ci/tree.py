@@ -60,7 +60,7 @@ STAMP_HEAD = "series-head"  # the commit patches/ was last built from or written
 TEMP_MARK = ".made-by-tree-py"  # in our airflow-core.XXXX/ build folders: a killed run's is ours to remove
 LOCK_FILE = ".airflow-core.lock"
 LOCK_ENV = "AIRFLOW_SERIES_TREE_LOCK"  # set while this process (or a parent) holds the lock: root path
-KEYS = ("package", "version", "bases")
+KEYS = ("package", "version", "bases", "pins")
 SELECT_ENV = "USE_AIRFLOW_VERSION"  # breeze's variable: which supported base to build and test
 VERSION = re.compile(r"\d+(\.\d+)+((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?")  # as on PyPI: 3.3.2, 3.1.0rc1
 SERIES_HEADER = (
@@ -91,6 +91,12 @@ def read_config(root: Path) -> dict:
     for key in KEYS[:2]:
         if not isinstance(cfg.get(key), str):
             raise TreeError(f"{where}: `{key}` is missing or not a string")
+    pins = cfg.get("pins", {})
+    if not isinstance(pins, dict) or any(
+        v not in cfg.get("bases", {}) or not isinstance(r, list) or not all(isinstance(x, str) for x in r)
+        for v, r in pins.items()
+    ):
+        raise TreeError(f"{where}: `pins` maps a base to a list of requirement strings: {pins!r}")
     if not isinstance(cfg.get("bases"), dict) or not cfg["bases"]:
         raise TreeError(f"{where}: `bases` (release = sdist sha256) is missing or empty")
     for version, sha in {cfg["version"]: cfg["bases"].get(cfg["version"], ""), **cfg["bases"]}.items():
