@@ -27,6 +27,19 @@ sys.path.insert(0, str(ROOT / "scripts" / "ci"))
 import dbserver  # noqa: E402
 import tree  # noqa: E402
 
+# The base under test: USE_AIRFLOW_VERSION (breeze's variable), one of [tool.airflow-series.bases] in
+# pyproject.toml, default the newest. Each base has its own tree, queue and venvs, so switching keeps the others.
+try:
+    BASE = tree.base_config(ROOT)
+    CORE = tree.core_dir(ROOT)  # airflow-core/ (default base) or airflow-core-<version>/
+    QUEUE = tree.patches_dir(ROOT)  # patches/ (default base) or patches/<version>/
+except tree.TreeError as e:
+    sys.exit(f"noxfile.py: {e}")
+if not tree.is_default(ROOT):
+    nox.options.envdir = f".nox/{BASE['version']}"
+PINS = tree.read_config(ROOT).get("pins", {}).get(BASE["version"], [])  # [tool.airflow-series.pins]
+BASE_LINE = f"base: {BASE['package']} {BASE['version']} ({CORE.name}/, {QUEUE.relative_to(ROOT)}/series)"
+
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["tests-sqlite"]
@@ -45,6 +58,7 @@ tree.exit_on_hangup()
 
 
 def prepare_tree() -> None:
+    print(BASE_LINE)
     try:
         print(tree.prepare(ROOT))
     except tree.TreeError as e:
@@ -58,14 +72,19 @@ def install(session: nox.Session, backend: str) -> None:
     pkg = ["pkg-config", "--exists", "mysqlclient"]
     if backend == "mysql" and (not shutil.which("pkg-config") or subprocess.run(pkg).returncode):
         session.error("mysqlclient needs pkg-config and Debian's default-libmysqlclient-dev to build")
-    session.install("--no-sources", "-e", "airflow-core", *DRIVERS[backend], *TEST_DEPS)
+    session.install("--no-sources", "-e", str(CORE), *PINS, *DRIVERS[backend], *TEST_DEPS)
     # PyPI's task-sdk reads core's config_templates from site-packages/airflow/, which an editable
     # install of airflow-core does not create (upstream's monorepo finds it by relative path instead).
     purelib = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
                           silent=True).strip()  # fmt: skip
-    link = Path(purelib) / "airflow" / "config_templates"
+    link, templates = (
+        Path(purelib) / "airflow" / "config_templates",
+        CORE / "src" / "airflow" / "config_templates",
+    )
+    if link.is_symlink() and link.resolve() != templates.resolve():
+        link.unlink()  # made for another tree of this project
     if not link.exists():
-        link.symlink_to(ROOT / "airflow-core" / "src" / "airflow" / "config_templates")
+        link.symlink_to(templates)
 
 
 def given_dsn(session: nox.Session, backend: str) -> str | None:
@@ -118,9 +137,7 @@ def in_database(
             prepare_tree()
         install(session, backend)
         series = tree.series(ROOT)
-        session.log(
-            f"base: apache-airflow-core {tree.base_config(ROOT)['version']}; {len(series)} patch(es):"
-        )
+        session.log(f"{BASE_LINE}; {len(series)} patch(es):")
         for p in series:
             session.log(f"  {p.name}")
         with (
@@ -171,10 +188,10 @@ def soak_providers(session: nox.Session, backend: str) -> None:
     """Install the providers with the editable tree in one resolution, so pip keeps the patched core."""
     install(session, backend)
     meta = f"apache-airflow=={tree.base_config(ROOT)['version']}"
-    session.install("--no-sources", "-e", "airflow-core", meta, *SOAK_PROVIDERS)
+    session.install("--no-sources", "-e", str(CORE), *PINS, meta, *SOAK_PROVIDERS)
     code = "import airflow.models.taskinstance as m; print(m.__file__)"
     used = Path(session.run("python", "-c", code, silent=True).strip().splitlines()[-1])
-    patched = ROOT / "airflow-core" / "src" / "airflow" / "models" / "taskinstance.py"
+    patched = CORE / "src" / "airflow" / "models" / "taskinstance.py"
     session.log(f"airflow.models.taskinstance: {used}")
     if used.resolve() != patched.resolve():
         session.error(f"the providers' install replaced the editable core: {used} is not {patched}")
@@ -196,7 +213,8 @@ def soak(session: nox.Session, backend: str) -> None:
     variant = "".join(
         f"-{v}" for v in (deployment.executor, deployment.listener) if v not in (None, "local", "slow")
     ) + (f"-{deployment.schedulers}sched" if deployment.schedulers not in (None, "1") else "")
-    report = ROOT / "soak-results" / f"{backend}-{label}{variant}"
+    version = "" if tree.is_default(ROOT) else f"{BASE['version']}-"
+    report = ROOT / "soak-results" / f"{version}{backend}-{label}{variant}"
     command = (
         "python",
         "tests/soak/run_soak.py",
@@ -255,6 +273,7 @@ def prepare(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def refresh(session: nox.Session) -> None:
     """Rewrite patches/ and patches/series from the commits above base in airflow-core/."""
+    session.log(BASE_LINE)
     try:
         session.log(tree.refresh(ROOT))
     except tree.TreeError as e:
@@ -281,7 +300,7 @@ LINT_TESTS = "tests/tooling/test_lint_series.py"  # skipped by the test sessions
 
 def ensure_tree() -> None:
     """Build airflow-core/ unless it already holds this series; these sessions read git, never move it."""
-    stamp = ROOT / "airflow-core" / ".git" / tree.STAMP
+    stamp = CORE / ".git" / tree.STAMP
     try:
         current = stamp.is_file() and stamp.read_text() == tree.stamp_of(
             tree.base_config(ROOT), tree.series(ROOT)
@@ -324,7 +343,8 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(name="series-status", venv_backend="none")
 def series_status(session: nox.Session) -> None:
-    """Table of the patches: upstream issue and status, files, applies / already contained per status base."""
+    """Table of the patches: upstream issue and status, files, applies / already contained per base."""
+    session.log(BASE_LINE)
     session.run(sys.executable, "scripts/ci/series_status.py", external=True)
 
 
@@ -333,5 +353,6 @@ def export(session: nox.Session) -> None:
     """Export one patch for an upstream PR: `nox -s export -- PATCH [--verify LOG]` writes export/<slug>/."""
     if not session.posargs:
         session.error("usage: nox -s export -- <patch file name> [--verify verify-<db>.log ...]")
+    session.log(BASE_LINE)
     ensure_tree()
     session.run(sys.executable, "scripts/ci/export.py", *session.posargs, external=True)

@@ -234,7 +234,7 @@ def write_export(root: Path, name: str, out: Path, logs: list[Path]) -> list[str
             )
     with tempfile.TemporaryDirectory(prefix="export.") as tmp:
         repo = Path(tmp) / "repo"
-        tree.git(root, "clone", "-q", "--shared", "--no-checkout", str(root / "airflow-core"), str(repo))
+        tree.git(root, "clone", "-q", "--shared", "--no-checkout", str(tree.core_dir(root)), str(repo))
         tree.git(repo, "update-ref", "--no-deref", "HEAD", "base^{commit}")
         tree.git(repo, "read-tree", "base")
         prerequisites = []

@@ -40,7 +40,7 @@ MYPY_LINE = re.compile(r"^(?P<path>[^:]+):(?P<line>\d+): error: (?P<msg>.*?)(?: 
 
 def patch_commits(root: Path) -> dict[str, str]:
     """Map each commit of ``base..series`` in ``airflow-core/`` to its patch file name (series order)."""
-    core = root / "airflow-core"
+    core = tree.core_dir(root)
     commits = tree.git(core, "rev-list", "--reverse", "base..series").stdout.split()
     names = [p.name for p in tree.series(root)]
     if len(commits) != len(names):
@@ -140,7 +140,7 @@ def new_mypy_errors(base: list[tuple[str, int, str]], series: list[tuple[str, in
 
 def lint(root: Path, with_mypy: bool = True) -> list[str]:
     """Return ``patches/NAME: airflow-core/PATH:LINE: message`` for every finding on a changed line."""
-    core = root / "airflow-core"
+    core = tree.core_dir(root)
     commits = patch_commits(root)
     files = touched_files(core)
     if not files:

@@ -4,7 +4,8 @@ Print the series' status: each patch's upstream issue and status, and how it far
 
 One markdown table: patch, subject, upstream issue (``Bug:``), upstream status (``Forwarded:`` /
 ``Applied-Upstream:``), files touched, and one column per release in ``[tool.airflow-series]
-status-bases`` of ``pyproject.toml`` (version = sdist sha256; default: the pinned base alone):
+bases`` of ``pyproject.toml`` (version = sdist sha256); the queue is the selected base's
+(``USE_AIRFLOW_VERSION``, default: the newest, ``patches/series``):
 
 * ``applies``           the patch applies cleanly (``git apply --check``);
 * ``already contained`` it does not, but its reverse does: the release has the change, drop the patch;
@@ -34,9 +35,28 @@ APPLIES, CONTAINED = "applies", "already contained"
 
 
 def status_bases(root: Path) -> dict[str, str]:
-    """Release -> sdist sha256 from ``status-bases`` (default: the pinned base)."""
-    cfg = tree.read_config(root)
-    return dict(cfg.get("status-bases") or {cfg["version"]: cfg["sdist-sha256"]})
+    """Release -> sdist sha256 of every supported base (``[tool.airflow-series.bases]``)."""
+    return dict(tree.read_config(root)["bases"])
+
+
+NOT_CARRIED = re.compile(r"^#\s*-\s*(\S+\.patch):\s*(.+)$")
+
+
+def not_carried(root: Path) -> list[tuple[str, str]]:
+    """For a base other than the default: (patch, reason) for each patch of the default queue
+    (``patches/series``) its own queue does not carry; the reason is its queue's comment line
+    ``# - NAME.patch: reason`` (behaviour already there, not needed, not ported yet)."""
+    if tree.is_default(root):
+        return []
+    ours = {p.name for p in tree.series(root)}
+    reasons = {}
+    for line in (tree.patches_dir(root) / "series").read_text().splitlines():
+        if m := NOT_CARRIED.match(line.strip()):
+            reasons[m.group(1)] = m.group(2).strip()
+    default = [
+        line.split("#", 1)[0].strip() for line in (root / "patches" / "series").read_text().splitlines()
+    ]
+    return [(n, reasons.get(n, "no reason recorded in its series")) for n in default if n and n not in ours]
 
 
 def files_touched(patch: Path) -> list[str]:
@@ -119,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     for v in sorted(contained):
         names = [row[0] for row in rows if row[header.index(v)] == CONTAINED]
         print(f"\n{v[3:]} already contains: {', '.join(names)} (drop them when rebasing onto it)")
+    base = tree.base_config(root)["version"]
+    if missing := not_carried(root):
+        print(f"\nthe {base} queue does not carry these patches of the default queue (patches/series):")
+        for name, why in missing:
+            print(f"- {name}: {why}")
     if not ok:
         print(
             f"\na patch conflicts with the pinned base {tree.base_config(root)['version']}", file=sys.stderr

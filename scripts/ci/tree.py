@@ -60,7 +60,8 @@ STAMP_HEAD = "series-head"  # the commit patches/ was last built from or written
 TEMP_MARK = ".made-by-tree-py"  # in our airflow-core.XXXX/ build folders: a killed run's is ours to remove
 LOCK_FILE = ".airflow-core.lock"
 LOCK_ENV = "AIRFLOW_SERIES_TREE_LOCK"  # set while this process (or a parent) holds the lock: root path
-KEYS = ("package", "version", "sdist-sha256", "status-bases")
+KEYS = ("package", "version", "bases", "pins")
+SELECT_ENV = "USE_AIRFLOW_VERSION"  # breeze's variable: which supported base to build and test
 VERSION = re.compile(r"\d+(\.\d+)+((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?")  # as on PyPI: 3.3.2, 3.1.0rc1
 SERIES_HEADER = (
     "# The patch series, applied in this order onto the pinned base (quilt format: one file per line).\n"
@@ -72,7 +73,8 @@ class TreeError(Exception):
 
 
 def read_config(root: Path) -> dict:
-    """Return ``[tool.airflow-series]`` of ``root/pyproject.toml``, checked: known keys, a release number."""
+    """Return ``[tool.airflow-series]`` of ``root/pyproject.toml``, checked: known keys, release numbers,
+    a sha256 per base, the default ``version`` among the ``bases``."""
     try:
         data = tomllib.loads((root / "pyproject.toml").read_text())
     except FileNotFoundError:
@@ -86,10 +88,18 @@ def read_config(root: Path) -> dict:
     for key in cfg:
         if key not in KEYS:
             raise TreeError(f"{where}: unknown key `{key}` (known: {', '.join(KEYS)})")
-    for key in KEYS[:3]:
+    for key in KEYS[:2]:
         if not isinstance(cfg.get(key), str):
             raise TreeError(f"{where}: `{key}` is missing or not a string")
-    for version, sha in {cfg["version"]: cfg["sdist-sha256"], **cfg.get("status-bases", {})}.items():
+    pins = cfg.get("pins", {})
+    if not isinstance(pins, dict) or any(
+        v not in cfg.get("bases", {}) or not isinstance(r, list) or not all(isinstance(x, str) for x in r)
+        for v, r in pins.items()
+    ):
+        raise TreeError(f"{where}: `pins` maps a base to a list of requirement strings: {pins!r}")
+    if not isinstance(cfg.get("bases"), dict) or not cfg["bases"]:
+        raise TreeError(f"{where}: `bases` (release = sdist sha256) is missing or empty")
+    for version, sha in {cfg["version"]: cfg["bases"].get(cfg["version"], ""), **cfg["bases"]}.items():
         if not VERSION.fullmatch(version):
             raise TreeError(f"{where}: version {version!r} is not a release number like '3.3.2'")
         if not re.fullmatch(r"[0-9a-f]{64}", str(sha)):
@@ -98,14 +108,38 @@ def read_config(root: Path) -> dict:
 
 
 def base_config(root: Path) -> dict[str, str]:
-    """Return ``[tool.airflow-series]`` from ``root/pyproject.toml``: package, version, sdist-sha256."""
+    """The base under test: package, version, sdist-sha256 (``USE_AIRFLOW_VERSION``, else the default)."""
     cfg = read_config(root)
-    return {k: cfg[k] for k in KEYS[:3]}
+    version = os.environ.get(SELECT_ENV) or cfg["version"]
+    if version not in cfg["bases"]:
+        raise TreeError(
+            f"{SELECT_ENV}={version} is not a supported base; supported: {', '.join(cfg['bases'])} "
+            f"(default {cfg['version']}; pyproject.toml [tool.airflow-series.bases])"
+        )
+    return {"package": cfg["package"], "version": version, "sdist-sha256": cfg["bases"][version]}
+
+
+def cfg_version(root: Path) -> str:
+    return base_config(root)["version"]
+
+
+def is_default(root: Path) -> bool:
+    return base_config(root)["version"] == read_config(root)["version"]
+
+
+def core_dir(root: Path) -> Path:
+    """The generated tree of the selected base: ``airflow-core/`` (default base), ``airflow-core-<v>/``."""
+    return root / ("airflow-core" if is_default(root) else f"airflow-core-{base_config(root)['version']}")
+
+
+def patches_dir(root: Path) -> Path:
+    """The queue of the selected base: ``patches/`` (default base), ``patches/<version>/``."""
+    return root / "patches" if is_default(root) else root / "patches" / base_config(root)["version"]
 
 
 def series_names(root: Path) -> list[tuple[int, str]]:
     """(line number, name) of each patch line of ``patches/series`` (quilt format, ``#`` comments)."""
-    path = root / "patches" / "series"
+    path = patches_dir(root) / "series"
     if not path.is_file():
         raise TreeError(f"{path} not found")
     lines = path.read_text().splitlines()
@@ -131,19 +165,20 @@ def series(root: Path) -> list[Path]:
         if name in seen:
             raise TreeError(f"patches/series: {name} is listed twice (lines {seen[name]} and {n})")
         seen[name] = n
-    missing = [n for n in seen if not (root / "patches" / n).is_file()]
+    queue = patches_dir(root)
+    missing = [n for n in seen if not (queue / n).is_file()]
     if missing:
         raise TreeError(f"patches/series names {', '.join(missing)}, not found in patches/")
-    others = sorted((root / "patches").glob("*.patch"))
+    others = sorted(queue.glob("*.patch"))
     if not seen and others:
         raise TreeError(
             f"patches/series lists no patch, but patches/ holds {len(others)} .patch file(s): "
             "restore it (`git checkout patches/series`) or delete the patches you mean to drop"
         )
     for name in seen:
-        if why := patch_file_problem(root / "patches" / name):
-            raise TreeError(f"patches/{name}: {why}")
-    return [root / "patches" / n for n in seen]
+        if why := patch_file_problem(queue / name):
+            raise TreeError(f"{queue.relative_to(root)}/{name}: {why}")
+    return [queue / n for n in seen]
 
 
 @contextlib.contextmanager
@@ -247,7 +282,8 @@ def fetch_sdist(cfg: dict[str, str]) -> Path:
         spec = f"{cfg['package']}=={cfg['version']}"
         # A venv made by uv has no pip: use uv's ephemeral pip there.
         pip = [sys.executable, "-m", "pip"] if importlib.util.find_spec("pip") else ["uvx", "pip"]
-        cmd = [*pip, "download", "--no-deps", "--no-binary", ":all:", "-d", str(dest)]
+        # the sdist of the package only: its build backend comes as wheels (":all:" builds those from source too)
+        cmd = [*pip, "download", "--no-deps", "--no-binary", cfg["package"], "-d", str(dest)]
         proc = subprocess.run([*cmd, spec], text=True, capture_output=True)
         found = sorted(dest.glob(f"{name}-{cfg['version']}.tar.gz"))
         if proc.returncode or not found:
@@ -379,26 +415,26 @@ def build(root: Path, cfg: dict[str, str], patches: list[Path], dest: Path) -> N
 def prepare(root: Path) -> str:
     cfg = base_config(root)
     patches = series(root)
-    tree = root / "airflow-core"
+    tree = core_dir(root)
+    name = f"{tree.name}/"
     with locked(root, "tree.py prepare"):
-        for stale in root.glob(
-            "airflow-core.*"
-        ):  # left by a killed run (SIGKILL): ours, unused (we hold the lock)
+        # left by a killed run (SIGKILL): ours, unused (we hold the lock)
+        for stale in root.glob(f"{tree.name}.*"):
             if (stale / TEMP_MARK).is_file():
                 shutil.rmtree(stale, ignore_errors=True)
         if tree.exists() or tree.is_symlink():
             stamp = tree / ".git" / STAMP
             if stamp.is_file() and stamp.read_text() == stamp_of(cfg, patches) and not pending_work(tree):
                 git(tree, "checkout", "-q", "series")
-                return f"airflow-core/ is up to date: {cfg['version']} + {len(patches)} patch(es)"
+                return f"{name} is up to date: {cfg['version']} + {len(patches)} patch(es)"
             lost = would_lose(tree)
             if lost:
                 raise TreeError(
-                    f"airflow-core/ not rebuilt, it holds what a rebuild would lose: {'; '.join(lost)}. To keep "
-                    "commits: `nox -s refresh`; to keep the rest, move it out of airflow-core/; to drop it all: "
-                    "`rm -rf airflow-core` (it is generated; the sdist is cached)"
+                    f"{name} not rebuilt, it holds what a rebuild would lose: {'; '.join(lost)}. To keep "
+                    f"commits: `nox -s refresh`; to keep the rest, move it out of {name}; to drop it all: "
+                    f"`rm -rf {tree.name}` (it is generated; the sdist is cached)"
                 )
-        work = Path(tempfile.mkdtemp(prefix="airflow-core.", dir=root))
+        work = Path(tempfile.mkdtemp(prefix=f"{tree.name}.", dir=root))
         try:
             (work / TEMP_MARK).write_text("a build folder of scripts/ci/tree.py prepare\n")
             build(root, cfg, patches, work / "airflow-core")
@@ -407,11 +443,11 @@ def prepare(root: Path) -> str:
             (work / "airflow-core").rename(tree)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    return f"airflow-core/ built: {cfg['package']} {cfg['version']} + {len(patches)} patch(es)"
+    return f"{name} built: {cfg['package']} {cfg['version']} + {len(patches)} patch(es)"
 
 
 def checkout(root: Path, k: str) -> str:
-    tree = root / "airflow-core"
+    tree = core_dir(root)
     n = len(git(tree, "rev-list", "base..series").stdout.split())
     if k == "all":
         k = str(n)
@@ -420,10 +456,10 @@ def checkout(root: Path, k: str) -> str:
     with locked(root, f"tree.py checkout {k}"):
         why = pending_work(tree)
         if why:
-            raise TreeError(f"airflow-core/ not moved: {why}")
+            raise TreeError(f"{tree.name}/ not moved: {why}")
         target = "series" if int(k) == n else f"series~{n - int(k)}"
         git(tree, "checkout", "-q", *([] if target == "series" else ["--detach"]), target)
-    return f"airflow-core/ at base + {k} of {n} patch(es)"
+    return f"{tree.name}/ at base + {k} of {n} patch(es)"
 
 
 IN_PROGRESS = {
@@ -436,10 +472,10 @@ IN_PROGRESS = {
 
 
 def refresh(root: Path) -> str:
-    tree = root / "airflow-core"
+    tree = core_dir(root)
     if not (tree / ".git" / STAMP).is_file():
         raise TreeError(
-            "airflow-core/ does not exist or was not made by this tool: `nox -s prepare` builds it"
+            f"{tree.name}/ does not exist or was not made by this tool: `nox -s prepare` builds it"
         )
     with locked(root, "tree.py refresh"):
         return _refresh(root, tree)
@@ -459,6 +495,7 @@ def _refresh(root: Path, tree: Path) -> str:
             "airflow-core/ HEAD is not on top of the full series (branch series): refresh would drop the patches "
             "above it; `tree.py checkout all` and commit there, or rebase your commits onto series"
         )
+    queue = patches_dir(root)
     old = [name for _, name in series_names(root)]
     if not git(tree, "rev-list", "base..HEAD").stdout.split() and old:
         raise TreeError(
@@ -478,22 +515,22 @@ def _refresh(root: Path, tree: Path) -> str:
             name = re.sub(r"^\d{4}-", "", f.name)
             if name in names:
                 raise TreeError(f"two patches would both be named {name}: give one a different subject")
-            if name not in old and (root / "patches" / name).exists():
+            if name not in old and (queue / name).exists():
                 raise TreeError(
-                    f"patches/{name} exists and is not in patches/series: move it away, then refresh"
+                    f"{queue.relative_to(root)}/{name} exists and is not in its series: move it away, then refresh"
                 )
             names.append(name)
         for f, name in zip(sorted(out.glob("*.patch")), names):
-            os.replace(f, root / "patches" / name)
+            os.replace(f, queue / name)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     for name in set(old) - set(names):  # only patches of the old series
-        (root / "patches" / name).unlink(missing_ok=True)
-    write_series(root / "patches" / "series", names)
+        (queue / name).unlink(missing_ok=True)
+    write_series(queue / "series", names)
     git(tree, "checkout", "-q", "-B", "series", "HEAD")
     (tree / ".git" / STAMP).write_text(stamp_of(base_config(root), series(root)))
     (tree / ".git" / STAMP_HEAD).write_text(git(tree, "rev-parse", "HEAD").stdout)
-    return f"patches/ rewritten from airflow-core/: {len(names)} patch(es)"
+    return f"{queue.relative_to(root)}/ rewritten from {tree.name}/ ({cfg_version(root)}): {len(names)} patch(es)"
 
 
 def write_series(path: Path, names: list[str]) -> None:

@@ -136,7 +136,8 @@ def verify(pytest_args: list[str]) -> int:
             suite = judge_passing(results, f"at base + {k} patches")
             rows.append((patch, before, after, suite))
     width = max(len(p) for p in patches) if patches else 5
-    print(f"\nverify-series on {backend}\n")
+    base = tree.base_config(ROOT)["version"]
+    print(f"\nverify-series on {backend}, base apache-airflow-core {base} ({len(patches)} patch(es))\n")
     print(f"| {'patch':<{width}} | fails before | passes after | suite green at this step |")
     print(f"|{'-' * (width + 2)}|--------------|--------------|--------------------------|")
     for patch, *cells in rows:
@@ -151,7 +152,10 @@ def verify(pytest_args: list[str]) -> int:
     wrong = {p.split(":")[0] for p in problems}
     proven = sum(1 for patch, before, *_ in rows if before.ok and patch not in wrong)
     skipped = sum(1 for patch, before, *_ in rows if not before.ok and patch not in wrong)
-    print(f"\n{proven} of {len(rows)} patches proven on {backend}; {skipped} with every test skipped here")
+    print(
+        f"\n{proven} of {len(rows)} patches proven on {backend} (base {base}); {skipped} with every test "
+        "skipped here"
+    )
     return 1 if problems or not rows else 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -14,9 +15,12 @@ TREE = ROOT / "scripts" / "ci" / "tree.py"
 HEADER = "# test series\n"
 
 
-def run_tree(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def run_tree(root: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(TREE), "--root", str(root), *args], capture_output=True, text=True
+        [sys.executable, str(TREE), "--root", str(root), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -39,7 +43,7 @@ def project(tmp_path: Path) -> Path:
 
 def test_wrong_sha256_is_refused(project: Path):
     text = (project / "pyproject.toml").read_text()
-    expected = text.split('sdist-sha256 = "')[1].split('"')[0]
+    expected = text.split('"3.3.2" = "')[1].split('"')[0]
     (project / "pyproject.toml").write_text(text.replace(expected, "0" * 64))
     proc = run_tree(project, "prepare")
     assert proc.returncode == 1
@@ -81,3 +85,25 @@ def test_unknown_patch_in_series_is_named(project: Path):
     proc = run_tree(project, "prepare")
     assert proc.returncode == 1
     assert "missing.patch" in proc.stderr
+
+
+def test_unknown_base_is_refused_listing_the_supported_ones(project: Path):
+    proc = run_tree(project, "prepare", env={"USE_AIRFLOW_VERSION": "3.0.9"})
+    assert proc.returncode == 1
+    assert "USE_AIRFLOW_VERSION=3.0.9 is not a supported base; supported: 3.3.2, 3.2.2, 3.1.8" in proc.stderr
+    assert not list(project.glob("airflow-core*"))
+
+
+def test_each_base_has_its_own_tree_and_queue(project: Path):
+    """USE_AIRFLOW_VERSION=3.1.8 builds airflow-core-3.1.8/ from patches/3.1.8/series; airflow-core/ stays."""
+    assert run_tree(project, "prepare").returncode == 0
+    before = snapshot(project / "airflow-core")
+    (project / "patches" / "3.1.8").mkdir()
+    (project / "patches" / "3.1.8" / "series").write_text(HEADER)
+    proc = run_tree(project, "prepare", env={"USE_AIRFLOW_VERSION": "3.1.8"})
+    assert proc.returncode == 0, proc.stderr
+    assert "airflow-core-3.1.8/ built: apache-airflow-core 3.1.8" in proc.stdout
+    log = ["git", "-C", str(project / "airflow-core-3.1.8"), "log", "--format=%s", "base"]
+    assert subprocess.run(log, capture_output=True, text=True).stdout.startswith("apache-airflow-core 3.1.8")
+    assert snapshot(project / "airflow-core") == before
+    assert "up to date: 3.3.2" in run_tree(project, "prepare").stdout

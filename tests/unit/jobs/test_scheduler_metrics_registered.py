@@ -15,8 +15,12 @@ import re
 
 import pytest
 
-from airflow._shared.observability.metrics.metrics_registry import MetricsRegistry
 from airflow.jobs import scheduler_job_runner
+
+try:
+    from airflow._shared.observability.metrics.metrics_registry import MetricsRegistry
+except ImportError:  # 3.1.x: no metrics registry; a metric needs no declaration
+    MetricsRegistry = None
 
 PATCH = "Ignore-stale-executor-events-from-an-earlier-process-of-the-live-try.patch"
 
@@ -24,6 +28,9 @@ EMITTED = re.compile(r'\bstats\.(?:incr|decr|gauge|timing|timer)\(\s*"([^"{}]+)"
 
 
 @pytest.mark.proves(PATCH)
+@pytest.mark.skipif(
+    MetricsRegistry is None, reason="this base has no metrics registry (metrics_template.yaml) to declare in"
+)
 def test_scheduler_metrics_are_declared_in_the_registry():
     source = inspect.getsource(scheduler_job_runner)
     emitted = set(EMITTED.findall(source))

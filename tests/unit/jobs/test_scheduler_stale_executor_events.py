@@ -45,7 +45,10 @@ from airflow.providers.standard.sensors.time_delta import TimeDeltaSensor
 from airflow.triggers.base import TriggerEvent
 from airflow.utils.state import TaskInstanceState
 
+from tests.unit.conftest import BACKEND, BASE_VERSION, carries, guard_since
+
 PATCH = "Ignore-stale-executor-events-from-an-earlier-process-of-the-live-try.patch"
+P_PURGE = "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch"
 
 pytestmark = pytest.mark.db_test
 
@@ -222,6 +225,12 @@ def _make_deferrable(dag_maker, session, n: int = 1, dag_id: str = "stale_defer"
 
 def _first_poke_rescheduled(session, runner, api, dag_run, tis) -> None:
     """Poke 1 of try 1 runs and records UP_FOR_RESCHEDULE (task_reschedule row); its exit is pending."""
+    if BACKEND == "mysql" and BASE_VERSION.startswith("3.1."):
+        pytest.skip(
+            "3.1.x on MySQL/MariaDB gives every reschedule poke a new try_number (DagRun.schedule_tis sets "
+            "state before its CASE on state is evaluated, left to right; fixed upstream in 3.2): no later "
+            "poke of the same try exists there"
+        )
     _schedule(session, dag_run, tis)
     _queue(session, runner, tis)
     for ti in tis:
@@ -315,11 +324,11 @@ def test_defer_exit_success_drained_late_does_not_fail_resumed_attempt(
     assert _mismatch_logs(session) == 0
 
 
-@pytest.mark.guard
+@guard_since("3.2.0", PATCH)  # 3.1.x fails the resumed try: the stale-event patch there covers it
 def test_defer_exit_success_drained_late_while_resume_is_scheduled(
     dag_maker, session, scheduler_job_runner, execution_api
 ):
-    """Guard: the SCHEDULED case of #72716 is already handled by 3.3.2 and must stay so."""
+    """The SCHEDULED case of #72716: handled since 3.2 (a guard there); on 3.1.x the stale-event patch."""
     runner = scheduler_job_runner
     dag_run, (ti,) = _make_deferrable(dag_maker, session)
     _deferred_and_resumed(session, runner, execution_api, dag_run, [ti], TaskInstanceState.SCHEDULED)
@@ -386,6 +395,9 @@ def test_failed_event_of_live_attempt_is_never_stale(
 
 
 @pytest.mark.proves(PATCH)
+@pytest.mark.skipif(
+    not carries(P_PURGE), reason=f"needs {P_PURGE} (the purge fails the try), not in this queue"
+)
 def test_second_poke_killed_without_heartbeat_is_failed_by_the_purge_once(
     dag_maker, session, scheduler_job_runner, execution_api
 ):
