@@ -306,7 +306,7 @@ class Inliner:
         """(local name -> project module it names, local name -> (project module, name) it imports)."""
         modules: dict[str, Path] = {}
         names: dict[str, tuple[Path, str]] = {}
-        for node in module.body:
+        for node in ast.walk(module):  # function-local imports too
             if isinstance(node, ast.ImportFrom):
                 origin = project_module(self.root, node.module, node.level)
                 if origin is None:
@@ -335,7 +335,7 @@ class Inliner:
         left: list[str] = []
         removed: set[int] = set()
         needs: list[tuple[Path, str]] = sorted(fixtures)
-        for node in module.body:  # the project imports themselves go
+        for node in ast.walk(module):  # the project imports themselves go (function-local ones too)
             if isinstance(node, ast.ImportFrom) and project_module(self.root, node.module, node.level):
                 edits.lines(node.lineno, node.end_lineno)  # type: ignore[arg-type]
                 removed.add(id(node))
@@ -403,7 +403,8 @@ class Inliner:
                             imports.append(line)
                 return
             if name in taken:
-                if taken[name] == "own":
+                same = name in own and ast.dump(own[name]) == ast.dump(node)
+                if taken[name] == "own" and not same:
                     left.append(f"{name} (from {origin.relative_to(self.root)}: the module defines another)")
                 return
             taken[name] = "def"
