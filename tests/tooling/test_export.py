@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,7 @@ def export(project: Path, patch: str, *extra: str) -> Path:
 
 def git_am(pristine: Path, out: Path) -> Path:
     """``git am`` the export onto a fresh clone of the pristine base; return the clone."""
-    clone = pristine.parent / f"am-{out.name}"
+    clone = Path(tempfile.mkdtemp(prefix=f"am-{out.name}-", dir=pristine.parent)) / "repo"
     assert git(pristine, "clone", "-q", str(pristine), str(clone)).returncode == 0
     proc = git(clone, "am", *sorted(str(p) for p in out.glob("*.patch")))
     assert proc.returncode == 0, proc.stdout + proc.stderr
