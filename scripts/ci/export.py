@@ -281,6 +281,12 @@ def top_level(module: ast.Module) -> dict[str, ast.stmt]:
         elif isinstance(node, ast.Import | ast.ImportFrom):
             for alias in node.names:
                 names.setdefault((alias.asname or alias.name).split(".")[0], node)
+        elif isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            for imp in node.body:  # type-only imports: copied into an `if TYPE_CHECKING:` block
+                if isinstance(imp, ast.Import | ast.ImportFrom):
+                    imp.type_checking = True  # type: ignore[attr-defined]
+                    for alias in imp.names:
+                        names.setdefault((alias.asname or alias.name).split(".")[0], imp)
     return names
 
 
@@ -367,6 +373,7 @@ class Inliner:
                     rewritten.add(id(n))
         defs: list[str] = []
         imports: list[str] = []
+        type_imports: list[str] = []
         done: set[tuple[Path, str]] = set()
         inlined: list[str] = []
         taken = {name: "own" for name, node in own.items() if id(node) not in removed}
@@ -400,7 +407,11 @@ class Inliner:
                             left.append(f"{name} (import clashes)")
                         elif name not in taken:
                             taken[name] = line
-                            imports.append(line)
+                            if getattr(node, "type_checking", False):
+                                type_imports.append(line)
+                                visit(origin, "TYPE_CHECKING")
+                            else:
+                                imports.append(line)
                 return
             if name in taken:
                 same = name in own and ast.dump(own[name]) == ast.dump(node)
@@ -412,7 +423,20 @@ class Inliner:
             o_edits = Edits(segment(src.splitlines(keepends=True), node))
             shift = first_line(node) - 1
             refs: list[tuple[Path, str]] = []
+            local = {
+                (a.asname or a.name).split(".")[0]
+                for n in ast.walk(node)
+                if isinstance(n, ast.Import | ast.ImportFrom) and n is not node
+                for a in n.names
+            }
+            annotations = set()
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):  # evaluated where the def is
+                args = node.args.args + node.args.kwonlyargs + node.args.posonlyargs
+                for a in [node.returns, *(x.annotation for x in args)]:
+                    annotations |= {id(m) for m in ast.walk(a)} if a is not None else set()
             for n in ast.walk(node):
+                if isinstance(n, ast.Name) and n.id in local and id(n) not in annotations:
+                    continue
                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in o_modules:
                     refs.append((o_modules[n.value.id], n.attr))
                     o_edits.spans.append(
@@ -443,10 +467,29 @@ class Inliner:
             (n.end_lineno or 0 for n in new_module.body if isinstance(n, ast.Import | ast.ImportFrom)), default=0
         )
         block = "".join(i + "\n" for i in imports)
+        if type_imports:
+            block += "\nif TYPE_CHECKING:\n" + "".join(f"    {i}\n" for i in type_imports)
+        # The definitions go before the module's first def/class, after its constants (an inlined default
+        # argument may use a constant the module defines identically), unless a constant uses them.
+        names = {n for d in defs for n in top_level(ast.parse(d))}
+        at = last_import
+        for n in new_module.body:
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                at = first_line(n) - 1
+                break
+            if not isinstance(n, ast.Import | ast.ImportFrom) and {
+                m.id for m in ast.walk(n) if isinstance(m, ast.Name)
+            } & names:
+                break
+        if at == last_import or not defs:
+            at = last_import
+            text = "".join(lines[:at]) + block
+        else:
+            text = "".join(lines[:last_import]) + block + "\n" + "".join(lines[last_import:at])
         if defs:
-            block += "\n\n# Inlined from the patch series' harness (defined in its conftest / helper modules).\n"
-            block += "\n\n".join(d.rstrip("\n") + "\n" for d in defs)
-        text = "".join(lines[:last_import]) + block + "\n\n" + "".join(lines[last_import:])
+            text += "\n\n# Inlined from the patch series' harness (defined in its conftest / helper modules).\n"
+            text += "\n\n".join(d.rstrip("\n") + "\n" for d in defs)
+        text += "\n\n" + "".join(lines[at:])
         return re.sub(r"\n{4,}", "\n\n\n", text), inlined, left
 
 
@@ -455,8 +498,26 @@ def prune(text: str) -> str:
     while True:
         module = ast.parse(text)
         used: set[str] = set()
+        shadowed: set[int] = set()  # names a function imports itself do not use the module's import
+        for f in ast.walk(module):
+            if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef):
+                mine = {
+                    (a.asname or a.name).split(".")[0]
+                    for i in ast.walk(f)
+                    if isinstance(i, ast.Import | ast.ImportFrom)
+                    for a in i.names
+                }
+                outer = {  # annotations are evaluated where the def is, not in its body
+                    id(m)
+                    for a in [f.returns, *(x.annotation for x in f.args.args + f.args.kwonlyargs)]
+                    if a is not None
+                    for m in ast.walk(a)
+                }
+                shadowed |= {
+                    id(n) for n in ast.walk(f) if isinstance(n, ast.Name) and n.id in mine and id(n) not in outer
+                }
         for n in ast.walk(module):
-            if isinstance(n, ast.Name):
+            if isinstance(n, ast.Name) and id(n) not in shadowed:
                 used.add(n.id)
             elif isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef):
                 used |= {a.arg for a in n.args.args + n.args.kwonlyargs + n.args.posonlyargs}
@@ -478,6 +539,18 @@ def prune(text: str) -> str:
                     continue
                 edits.lines(node.lineno, node.end_lineno)  # type: ignore[arg-type]
                 changed = True
+            elif isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+                imports = [n for n in node.body if isinstance(n, ast.Import | ast.ImportFrom)]
+                unused = [
+                    n for n in imports if not any((a.asname or a.name).split(".")[0] in used for a in n.names)
+                ]
+                if unused and len(unused) == len(node.body):
+                    edits.lines(node.lineno, node.end_lineno)  # type: ignore[arg-type]
+                    changed = True
+                elif unused:
+                    for n in unused:
+                        edits.lines(n.lineno, n.end_lineno)  # type: ignore[arg-type]
+                    changed = True
             elif isinstance(node, ast.ImportFrom | ast.Import):
                 if isinstance(node, ast.ImportFrom) and node.module == "__future__":
                     continue
