@@ -413,6 +413,8 @@ class Inliner:
                             else:
                                 imports.append(line)
                 return
+            if name in UPSTREAM_FIXTURES and isinstance(node, ast.FunctionDef):
+                return  # upstream's tests_common provides it (the project's conftest mirrors it)
             if name in taken:
                 same = name in own and ast.dump(own[name]) == ast.dump(node)
                 if taken[name] == "own" and not same:
@@ -429,6 +431,9 @@ class Inliner:
                 if isinstance(n, ast.Import | ast.ImportFrom) and n is not node
                 for a in n.names
             }
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):  # its parameters and local variables
+                local |= {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+                local |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
             annotations = set()
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):  # evaluated where the def is
                 args = node.args.args + node.args.kwonlyargs + node.args.posonlyargs
