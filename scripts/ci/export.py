@@ -1,21 +1,28 @@
 #!/usr/bin/env python3
 """
-Export one patch of the series as what an upstream pull request needs.
+Export patches of the series as what upstream pull requests need.
 
-``export.py PATCH [--verify LOG ...] [--out DIR]`` writes ``export/<slug>/`` (``--out`` to change):
+``export.py PATCH|--all [--verify LOG ...] [--out DIR] [--python PY]`` writes ``export/<slug>/`` per patch
+(``--all``: every patch, in series order, and the index ``export/README.md``):
 
 * ``NNNN-<slug>.patch`` ``git am`` input in upstream layout (``a/airflow-core/...``): the patch with its
   regression tests added at their upstream paths (``airflow-core/tests/unit/...``), its commit message
   and trailers unchanged. If the patch does not apply to the pristine base alone, the earlier patches
-  of the series that touch the same files come first (numbered before it) and ``PR.md`` says so.
-* ``airflow-core/tests/unit/...`` the same test modules as files: the tests marked
-  ``@pytest.mark.proves("PATCH")``, without the project-only ``proves``/``guard`` markers and without
-  tests that prove other patches.
-* ``airflow-core/newsfragments/00000.bugfix.rst`` upstream's towncrier fragment
-  (``<PR number>.<type>.rst``); ``00000`` is a placeholder until the PR has a number.
-* ``PR.md`` title and description drafted from the commit message: what, why, tests, verification
-  (fail-before / pass-after per backend, read from ``nox -s verify-series-<db>`` output saved with
-  ``| tee LOG`` and given with ``--verify LOG``), and what to check before opening the PR.
+  it needs (those touching the same files, transitively) come first and ``PR.md`` lists them.
+* ``airflow-core/tests/unit/...`` the same test modules as files. Which test proves which patch is asked
+  of pytest itself (``pytest --collect-only`` with the ``series_collect`` plugin, run by ``PY``, which must
+  import the tests): the closest ``proves`` marker, however the module spells the patch name (literal,
+  module constant, ``pytestmark`` list, ``pytest.param(..., marks=...)``). A module keeps the tests (and
+  parametrize cases) proving the patch, loses ``proves``/``guard`` markers and what only other tests used.
+  Project-only names it uses (fixtures of the project's conftest that upstream's ``tests_common`` does
+  not provide, helpers imported from the project's modules) are copied into it, with what they use, so
+  that it runs in upstream's harness; what cannot be copied is reported (``project-only names left``).
+* No newsfragment of its own: a patch that carries one (``airflow-core/newsfragments/``) exports it.
+* ``PR.md`` title and description drafted from the commit message: what and why, upstream status and
+  related upstream work (``patches/upstream.toml``), dependencies, tests (and the upstream module each
+  belongs in), verification (fail-before / pass-after per backend and the server, read from
+  ``nox -s verify-series-<db>`` output saved with ``| tee LOG`` and given with ``--verify LOG``), and what
+  to check before opening the PR.
 
 The patch commits are made in a throwaway clone of ``airflow-core/`` (run ``tree.py prepare`` first);
 the tree itself is not touched. The folder is built beside its target and moved into place only when
@@ -177,7 +184,8 @@ def strip_marks(edits: Edits, marks: ast.expr, drop_whole: ast.AST) -> None:
         project = [e for e in marks.elts if is_project_mark(e)]
         if project and len(project) == len(marks.elts):
             edits.element(drop_whole) if isinstance(drop_whole, ast.keyword) else edits.lines(
-                first_line(drop_whole), drop_whole.end_lineno  # type: ignore[attr-defined]
+                first_line(drop_whole),
+                drop_whole.end_lineno,  # type: ignore[attr-defined]
             )
         else:
             for e in project:
@@ -329,7 +337,9 @@ class Inliner:
                         modules[alias.asname] = origin
         return modules, names
 
-    def inline(self, text: str, path: Path, fixtures: set[tuple[Path, str]]) -> tuple[str, list[str], list[str]]:
+    def inline(
+        self, text: str, path: Path, fixtures: set[tuple[Path, str]]
+    ) -> tuple[str, list[str], list[str]]:
         """Return (new text, names inlined, project-only names that could not be inlined).
 
         ``fixtures``: (defining file, name) of project fixtures the kept tests request.
@@ -390,7 +400,9 @@ class Inliner:
                 left.append(f"{name} (from {origin.relative_to(self.root)})")
                 return
             if isinstance(node, ast.Import | ast.ImportFrom):
-                if isinstance(node, ast.ImportFrom) and (sub := project_module(self.root, node.module, node.level)):
+                if isinstance(node, ast.ImportFrom) and (
+                    sub := project_module(self.root, node.module, node.level)
+                ):
                     for alias in node.names:
                         if (alias.asname or alias.name) == name:
                             visit(sub, alias.name)
@@ -433,7 +445,9 @@ class Inliner:
             }
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):  # its parameters and local variables
                 local |= {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
-                local |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+                local |= {
+                    n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+                }
             annotations = set()
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):  # evaluated where the def is
                 args = node.args.args + node.args.kwonlyargs + node.args.posonlyargs
@@ -469,7 +483,8 @@ class Inliner:
         lines = body.splitlines(keepends=True)
         new_module = ast.parse(body)
         last_import = max(
-            (n.end_lineno or 0 for n in new_module.body if isinstance(n, ast.Import | ast.ImportFrom)), default=0
+            (n.end_lineno or 0 for n in new_module.body if isinstance(n, ast.Import | ast.ImportFrom)),
+            default=0,
         )
         block = "".join(i + "\n" for i in imports)
         if type_imports:
@@ -482,9 +497,10 @@ class Inliner:
             if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 at = first_line(n) - 1
                 break
-            if not isinstance(n, ast.Import | ast.ImportFrom) and {
-                m.id for m in ast.walk(n) if isinstance(m, ast.Name)
-            } & names:
+            if (
+                not isinstance(n, ast.Import | ast.ImportFrom)
+                and {m.id for m in ast.walk(n) if isinstance(m, ast.Name)} & names
+            ):
                 break
         if at == last_import or not defs:
             at = last_import
@@ -492,7 +508,9 @@ class Inliner:
         else:
             text = "".join(lines[:last_import]) + block + "\n" + "".join(lines[last_import:at])
         if defs:
-            text += "\n\n# Inlined from the patch series' harness (defined in its conftest / helper modules).\n"
+            text += (
+                "\n\n# Inlined from the patch series' harness (defined in its conftest / helper modules).\n"
+            )
             text += "\n\n".join(d.rstrip("\n") + "\n" for d in defs)
         text += "\n\n" + "".join(lines[at:])
         return re.sub(r"\n{4,}", "\n\n\n", text), inlined, left
@@ -519,7 +537,9 @@ def prune(text: str) -> str:
                     for m in ast.walk(a)
                 }
                 shadowed |= {
-                    id(n) for n in ast.walk(f) if isinstance(n, ast.Name) and n.id in mine and id(n) not in outer
+                    id(n)
+                    for n in ast.walk(f)
+                    if isinstance(n, ast.Name) and n.id in mine and id(n) not in outer
                 }
         for n in ast.walk(module):
             if isinstance(n, ast.Name) and id(n) not in shadowed:
@@ -534,7 +554,9 @@ def prune(text: str) -> str:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 if node.name.startswith(("test", "Test")) or node.name in used:
                     continue
-                if any("fixture" in ast.unparse(d) and "autouse" in ast.unparse(d) for d in node.decorator_list):
+                if any(
+                    "fixture" in ast.unparse(d) and "autouse" in ast.unparse(d) for d in node.decorator_list
+                ):
                     continue
                 edits.lines(first_line(node), node.end_lineno)  # type: ignore[arg-type]
                 changed = True
@@ -623,20 +645,6 @@ def find_tests(root: Path, patch: str, items: list[dict]) -> dict[str, tuple[str
         rel = path.relative_to(unit).as_posix()
         found[f"airflow-core/tests/unit/{rel}"] = (text, inlined, sorted(set(left)))
     return found
-
-
-def verification(patch: str, logs: list[Path]) -> list[str]:
-    """Rows ``| backend | fails before | passes after | suite green |`` from verify-series output."""
-    rows = []
-    for log in logs:
-        text = log.read_text(errors="replace")
-        backend = re.search(r"verify-series on (\S+)", text)
-        row = re.search(rf"^\| {re.escape(patch)} +\|(.*)\|\s*$", text, flags=re.M)
-        if backend and row:
-            rows.append(
-                f"| {backend.group(1)} | " + " | ".join(c.strip() for c in row.group(1).split("|")) + " |"
-            )
-    return rows
 
 
 def commit(repo: Path, patch: Path, files: dict[str, str] | None = None) -> None:
@@ -779,7 +787,9 @@ def write_export(root: Path, name: str, out: Path, logs: list[Path], items: list
     msg = trailers.read_message(patch)
     fragments = sorted(f for f in touched(patch) if f.startswith("airflow-core/newsfragments/"))
     if fragments:
-        notes.append(f"newsfragment: {', '.join(fragments)} (in the patch; upstream's towncrier takes it as is)")
+        notes.append(
+            f"newsfragment: {', '.join(fragments)} (in the patch; upstream's towncrier takes it as is)"
+        )
     else:
         notes.append(
             "no newsfragment: upstream asks for one for significant (user-visible behaviour) changes; this "
@@ -809,7 +819,9 @@ def upstream_module(notes: dict, path: str) -> str | None:
     return notes.get("test-modules", {}).get(rel)
 
 
-def description(root: Path, msg: trailers.Message, result: Exported, rows: list[str], patches: list[Path]) -> str:
+def description(
+    root: Path, msg: trailers.Message, result: Exported, rows: list[str], patches: list[Path]
+) -> str:
     body = msg.body.rstrip().splitlines()
     references = []
     while body and (trailers.REFERENCE.fullmatch(body[-1].strip()) or not body[-1].strip()):
@@ -903,7 +915,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=tree.PROJECT, help="project root (default: %(default)s)")
     parser.add_argument("patch", nargs="?", help="patch file name (as listed in patches/series) or path")
     parser.add_argument("--all", action="store_true", help="export every patch of the series, in order")
-    parser.add_argument("--out", type=Path, help="output folder (default: export/<slug>/; with --all: export/)")
+    parser.add_argument(
+        "--out", type=Path, help="output folder (default: export/<slug>/; with --all: export/)"
+    )
     parser.add_argument("--verify", type=Path, action="append", default=[], help="saved verify-series output")
     parser.add_argument(
         "--python", default=sys.executable, help="interpreter that can import the tests (default: this one)"

@@ -498,7 +498,9 @@ def testing_dag_bundle() -> None:
     from sqlalchemy import func
 
     with create_session() as s:
-        if not s.scalar(select(func.count()).select_from(DagBundleModel).where(DagBundleModel.name == "testing")):
+        if not s.scalar(
+            select(func.count()).select_from(DagBundleModel).where(DagBundleModel.name == "testing")
+        ):
             s.add(DagBundleModel(name="testing"))
 
 
