@@ -754,6 +754,11 @@ def write_export(root: Path, name: str, out: Path, logs: list[Path], items: list
         notes.append(
             f"no test in tests/unit is marked @pytest.mark.proves({name!r}): the PR has no regression test"
         )
+    if any(inlined for _, inlined, _ in tests.values()):
+        notes.append(
+            "the imports of inlined helpers are appended after the module's own, unsorted: let upstream's "
+            "prek hooks (ruff check --fix, ruff format) order them before pushing"
+        )
     for path, (_, _, left) in tests.items():
         if left:
             notes.append(f"{path} uses what upstream's tests_common does not provide: {', '.join(left)}")
