@@ -720,17 +720,43 @@ class Exported:
     fragment: str | None = None
 
 
+def added_lines(patch: Path) -> str:
+    return "\n".join(
+        line[1:] for line in patch.read_text(errors="replace").splitlines() if line.startswith("+")
+    )
+
+
+def defined_names(patch: Path, repo: Path | None = None) -> set[str]:
+    """Names a patch's added lines define (``def``/``class``/module assignments) that the base (``repo`` at
+    ``base``) does not have anywhere in ``src``."""
+    text = added_lines(patch)
+    names = set(re.findall(r"^\s*(?:async\s+)?(?:def|class)\s+(\w+)", text, flags=re.M))
+    names |= set(re.findall(r"^([A-Za-z_]\w*)\s*(?::[^=]+)?=", text, flags=re.M))
+    names = {n for n in names if len(n) > 3}
+    if repo is not None:
+        names = {
+            n
+            for n in names
+            if tree.git(repo, "grep", "-q", "-w", n, "base", "--", "src", check=False).returncode
+        }
+    return names
+
+
 def prerequisites(repo: Path, patches: list[Path], patch: Path) -> list[Path]:
-    """Earlier patches ``patch`` needs to apply: none if it applies to the base alone, else those touching
-    the same files (and, transitively, theirs)."""
-    if not tree.git(repo, "apply", "--cached", "--check", "-p2", str(patch), check=False).returncode:
-        return []
+    """Earlier patches ``patch`` needs, transitively: those touching the same files when it does not apply to
+    the base alone, and those defining a name its added lines use (a function a later patch calls)."""
+    alone = not tree.git(repo, "apply", "--cached", "--check", "-p2", str(patch), check=False).returncode
     needed: set[Path] = set()
+    defines = {p: defined_names(p, repo) for p in patches[: patches.index(patch)]}
     todo = [patch]
     while todo:
         current = todo.pop()
+        words = set(re.findall(r"\w+", added_lines(current)))
         for p in patches[: patches.index(current)]:
-            if p not in needed and touched(p) & touched(current):
+            if p in needed:
+                continue
+            same_file = touched(p) & touched(current) and not (current is patch and alone)
+            if same_file or defines[p] & words:
                 needed.add(p)
                 todo.append(p)
     return [p for p in patches if p in needed]

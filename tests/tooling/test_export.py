@@ -368,3 +368,25 @@ def test_out_that_is_a_symlink_is_refused_and_kept(project: Path, tmp_path: Path
     assert proc.returncode == 1
     assert "symbolic link" in proc.stderr
     assert link.is_symlink() and (out / ".series-export").is_file()
+
+
+def test_a_patch_calling_what_an_earlier_patch_defines_depends_on_it(project: Path, tmp_path: Path):
+    """A later patch that touches other files but calls a function an earlier one adds needs it too."""
+    sys.path.insert(0, str(ROOT / "scripts" / "ci"))
+    import export as exporter
+
+    def patch(name: str, path: str, line: str) -> Path:
+        text = (
+            f"From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\nSubject: [PATCH] {name}\n\n"
+            f"---\ndiff --git a/airflow-core/{path} b/airflow-core/{path}\n--- a/airflow-core/{path}\n"
+            f"+++ b/airflow-core/{path}\n@@ -0,0 +1 @@\n+{line}\n"
+        )
+        (tmp_path / f"{name}.patch").write_text(text)
+        return tmp_path / f"{name}.patch"
+
+    first = patch("Add-helper", "src/airflow/new_helper.py", "def _series_helper_xyz(): return 1")
+    other = patch("Other", "src/airflow/other.py", "X = 1")
+    second = patch("Use-helper", "src/airflow/user.py", "from airflow.new_helper import _series_helper_xyz")
+    repo = project / "airflow-core"
+    assert exporter.prerequisites(repo, [first, other, second], second) == [first]
+    assert exporter.prerequisites(repo, [first, other, second], other) == []
