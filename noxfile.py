@@ -348,11 +348,15 @@ def series_status(session: nox.Session) -> None:
     session.run(sys.executable, "scripts/ci/series_status.py", external=True)
 
 
-@nox.session(venv_backend="none")
+@nox.session
 def export(session: nox.Session) -> None:
-    """Export one patch for an upstream PR: `nox -s export -- PATCH [--verify LOG]` writes export/<slug>/."""
+    """Export patches as upstream PRs: `nox -s export -- PATCH|--all [--verify LOG]` writes export/<slug>/.
+
+    The venv holds the patched tree (as tests-sqlite's): pytest collects the tests to find what proves what.
+    """
     if not session.posargs:
-        session.error("usage: nox -s export -- <patch file name> [--verify verify-<db>.log ...]")
+        session.error("usage: nox -s export -- <patch file name>|--all [--verify verify-<db>.log ...]")
     session.log(BASE_LINE)
     ensure_tree()
-    session.run(sys.executable, "scripts/ci/export.py", *session.posargs, external=True)
+    install(session, "sqlite")
+    session.run("python", "scripts/ci/export.py", "--python", "python", *session.posargs)

@@ -105,7 +105,14 @@ def status(root: Path) -> tuple[list[str], list[list[str]], bool]:
         msg = trailers.read_message(patch)
         issues = ", ".join("#" + m for b in msg.values("Bug") for m in trailers.ISSUE.findall(b)) or "-"
         state = "forwarded: " + (", ".join(msg.values("Forwarded")) or "?")
-        state += "".join(f"; applied upstream: {a}" for a in msg.values("Applied-Upstream"))
+        for applied in msg.values("Applied-Upstream"):
+            if applied.startswith("main, "):
+                state += (
+                    f"; merged on upstream main ({applied.removeprefix('main, ')}), in no release yet: "
+                    "drop when rebasing onto the first release that has it"
+                )
+            else:
+                state += f"; applied upstream: {applied}"
         touched = ", ".join(f.removeprefix("src/airflow/") for f in files_touched(patch))
         row = [patch.name, msg.subject, issues, state, touched]
         rows.append(row + [columns[v][i] for v in bases])

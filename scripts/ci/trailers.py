@@ -8,7 +8,8 @@ A patch in ``patches/`` (``git format-patch`` output) must carry, as git trailer
 * ``Bug:`` the upstream issue, ``https://github.com/apache/airflow/issues/N`` (one or more);
 * ``Origin:`` ``self``, or the upstream PR / commit URL (optionally ``upstream, URL`` / ``backport, URL``);
 * ``Forwarded:`` the upstream PR URL, ``no`` or ``not-needed``;
-* ``Applied-Upstream:`` (optional) the release (``3.3.3``) or commit URL that contains the change.
+* ``Applied-Upstream:`` (optional) the release (``3.3.3``) or commit URL that contains the change, or
+  ``main, <PR URL>`` when the PR is merged on upstream main but in no release yet.
 
 The subject is an imperative sentence as upstream asks (``Fix ...``, not ``Fixed``/``Fixes``/``Fixing``),
 at most 72 characters, no trailing period. The last line before the trailers is ``closes: #N`` or
@@ -46,7 +47,12 @@ FIELDS = {
         True,
     ),
     "Forwarded": (rf"no|not-needed|{PULL}", f"`no`, `not-needed` or a PR URL {AIRFLOW}/pull/N", False, True),
-    "Applied-Upstream": (rf"\d+\.\d+\.\d+\S*|{COMMIT}", "a release (3.3.3) or commit URL", False, False),
+    "Applied-Upstream": (
+        rf"\d+\.\d+\.\d+\S*|{COMMIT}|main, {PULL}",
+        "a release (3.3.3), a commit URL, or `main, <PR URL>` (merged on main, in no release yet)",
+        False,
+        False,
+    ),
 }
 REFERENCE = re.compile(r"(closes|related): #\d+")
 # Subject words that look like verbs but are imperative already.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,8 @@ def test_of_the_other_patch(session):
 def helper():
     return 2
 """
-VERIFY_LOG = f"""[1/2] {FIRST}
+VERIFY_LOG = f"""database server: PostgreSQL 17.2
+[1/2] {FIRST}
 verify-series on postgres
 
 | patch | fails before | passes after | suite green at this step |
@@ -113,7 +115,7 @@ def export(project: Path, patch: str, *extra: str) -> Path:
 
 def git_am(pristine: Path, out: Path) -> Path:
     """``git am`` the export onto a fresh clone of the pristine base; return the clone."""
-    clone = pristine.parent / f"am-{out.name}"
+    clone = Path(tempfile.mkdtemp(prefix=f"am-{out.name}-", dir=pristine.parent)) / "repo"
     assert git(pristine, "clone", "-q", str(pristine), str(clone)).returncode == 0
     proc = git(clone, "am", *sorted(str(p) for p in out.glob("*.patch")))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -139,25 +141,24 @@ def test_export_git_ams_onto_the_pristine_base_with_its_tests(project: Path, pri
         "pytestmark = [pytest.mark.db_test]" in flush and '@pytest.mark.backend("postgres", "mysql")' in flush
     )
     weight = (clone / "airflow-core/tests/unit/callbacks/test_sink_weight.py").read_text()
-    assert (
-        "def test_of_the_other_patch" in weight and "def test_weight" not in weight and "def helper" in weight
-    )
+    # The other patch's test goes, and with it the helper only it used.
+    assert "def test_of_the_other_patch" in weight and "def test_weight" not in weight
+    assert "def helper" not in weight
     assert (out / "airflow-core/tests/unit/callbacks/test_sink_flush.py").read_text() == flush
 
 
-def test_export_writes_newsfragment_and_pr_description(project: Path):
+def test_export_writes_pr_description_and_no_newsfragment_of_its_own(project: Path):
     out = export(project, FIRST, "--verify", str(project / "verify-postgres.log"))
-    assert (out / "airflow-core/newsfragments/00000.bugfix.rst").read_text() == (
-        "Flush the callback row in the caller's session.\n"
-    )
+    # A patch without a newsfragment of its own gets none: upstream wants one for significant changes.
+    assert not (out / "airflow-core" / "newsfragments").exists()
     pr = (out / "PR.md").read_text()
+    assert "no newsfragment: upstream asks for one for significant" in pr
     assert pr.startswith(
         "# Flush the callback row in the caller's session\n\nSay what and why.\n\ncloses: #42553\n"
     )
     assert "- `airflow-core/tests/unit/callbacks/test_sink_flush.py`" in pr
-    assert "| postgres | ok 1 | ok 1 | ok 2 |" in pr
+    assert "| postgres (PostgreSQL 17.2) | ok 1 | ok 1 | ok 2 |" in pr
     assert "- Forwarded: no" in pr
-    assert "00000.bugfix.rst to <PR number>.bugfix.rst" in pr
 
 
 def test_dependent_patch_exports_its_prerequisite_and_still_git_ams(project: Path, pristine: Path):
@@ -174,17 +175,131 @@ def test_dependent_patch_exports_its_prerequisite_and_still_git_ams(project: Pat
     assert "Not recorded here" in pr  # no --verify log given
 
 
-def test_project_only_fixtures_are_flagged(project: Path):
-    (project / "tests/unit/callbacks/test_sink_runner.py").write_text(
-        "import pytest\n\nfrom tests.unit.conftest import make_engine\n\n\n"
-        f'@pytest.mark.proves("{FIRST}")\ndef test_x(scheduler_job_runner, session):\n    make_engine()\n'
-    )
-    try:
-        pr = (export(project, FIRST) / "PR.md").read_text()
-    finally:
-        (project / "tests/unit/callbacks/test_sink_runner.py").unlink()
-    expected = "import from tests.unit.conftest, scheduler_job_runner"
-    assert f"test_sink_runner.py uses what upstream's tests_common does not provide: {expected}" in pr
+# --- issue 20: tests found however they name their patch (pytest's own collection); project-only names ---
+CONFTEST = """import pytest
+
+
+def make_engine():
+    return ENGINE_NAME
+
+
+ENGINE_NAME = "engine"
+
+
+@pytest.fixture
+def scheduler_job_runner():
+    return make_engine()
+
+
+@pytest.fixture
+def session():
+    return "session"
+"""
+HELPERS = """from tests.unit.conftest import make_engine
+
+
+def helper_from_module(n):
+    return make_engine() * n
+"""
+FORMS = f"""from __future__ import annotations
+
+import pytest
+
+from tests.unit import conftest
+from tests.unit.helpers import helper_from_module
+
+P_FIRST = "{FIRST}"
+P_SECOND = "{SECOND}"
+
+pytestmark = [pytest.mark.db_test, pytest.mark.proves(P_SECOND)]
+
+
+@pytest.mark.proves(P_FIRST)
+def test_constant(scheduler_job_runner, session):
+    assert conftest.make_engine() == scheduler_job_runner
+
+
+@pytest.mark.parametrize(
+    "order",
+    [
+        pytest.param("first", marks=pytest.mark.proves(P_FIRST)),
+        pytest.param("second", marks=pytest.mark.guard),
+        pytest.param("third", marks=[pytest.mark.proves(P_SECOND)]),
+    ],
+)
+def test_param_marks(order, session):
+    assert helper_from_module(2)
+
+
+@pytest.mark.parametrize("dag_id, n", [("a", 1)])
+def test_module_mark_and_parametrize_arguments(dag_id, n, session):
+    assert dag_id
+
+
+def test_needs_an_unknown_fixture(not_defined_anywhere):
+    pass
+"""
+
+
+@pytest.fixture
+def forms(project: Path):
+    unit = project / "tests" / "unit"
+    files = {
+        project / "tests" / "__init__.py": "",
+        unit / "__init__.py": "",
+        unit / "callbacks" / "__init__.py": "",
+        unit / "conftest.py": CONFTEST,
+        unit / "helpers.py": HELPERS,
+        unit / "callbacks" / "test_forms.py": FORMS,
+    }
+    for path, text in files.items():
+        path.write_text(text)
+    yield project
+    for path in files:
+        path.unlink()
+
+
+def test_constants_lists_and_params_are_found_and_helpers_inlined(forms: Path, pristine: Path):
+    out = export(forms, FIRST)
+    text = (out / "airflow-core/tests/unit/callbacks/test_forms.py").read_text()
+    # A constant in a decorator and in a pytest.param's marks: found; the module-level mark names another.
+    assert "def test_constant(" in text and "def test_param_marks(" in text
+    assert "test_module_mark_and_parametrize_arguments" not in text and "test_needs_an_unknown" not in text
+    # Cases whose closest proves marker names the other patch go ("second": the module's pytestmark).
+    assert 'pytest.param("first")' in text and '"second"' not in text and '"third"' not in text
+    assert "proves" not in text and "guard" not in text and "P_FIRST" not in text
+    assert "pytestmark = [pytest.mark.db_test]" in text
+    # Project helpers and fixtures are inlined (with what they use); upstream-named fixtures are not.
+    assert "tests.unit" not in text and "conftest." not in text
+    for inlined in ("def make_engine(", 'ENGINE_NAME = "engine"', "def scheduler_job_runner(",
+                    "def helper_from_module("):  # fmt: skip
+        assert inlined in text, inlined
+    assert "def session(" not in text
+    compile(text, "test_forms.py", "exec")
+    pr = (out / "PR.md").read_text()
+    assert "project-only names left: none" in pr
+    clone = git_am(pristine, out)
+    assert (clone / "airflow-core/tests/unit/callbacks/test_forms.py").read_text() == text
+
+
+def test_parametrize_arguments_are_not_reported_as_fixtures(forms: Path):
+    out = export(forms, SECOND)
+    text = (out / "airflow-core/tests/unit/callbacks/test_forms.py").read_text()
+    assert "def test_module_mark_and_parametrize_arguments(dag_id, n, session)" in text
+    assert 'pytest.param("second")' in text and 'pytest.param("third")' in text and '"first"' not in text
+    pr = (out / "PR.md").read_text()
+    assert "dag_id" not in pr.split("## Tests")[1].split("## Verification")[0]
+    # A fixture nobody defines is what is left, by name.
+    assert "project-only names left: fixture not_defined_anywhere" in pr
+
+
+def test_all_writes_every_patch_in_order_with_an_index(forms: Path):
+    proc = run_export(forms, "--all")
+    assert proc.returncode == 0, proc.stderr
+    index = (forms / "export" / "README.md").read_text()
+    rows = [line for line in index.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
+    assert rows[0].startswith(f"| 1 | `{FIRST}` | - |") and rows[1].startswith(f"| 2 | `{SECOND}` | 1 |")
+    assert (forms / "export" / SECOND.removesuffix(".patch") / "PR.md").read_text().count(FIRST) >= 1
 
 
 def test_unknown_patch_is_refused(project: Path):
@@ -253,3 +368,25 @@ def test_out_that_is_a_symlink_is_refused_and_kept(project: Path, tmp_path: Path
     assert proc.returncode == 1
     assert "symbolic link" in proc.stderr
     assert link.is_symlink() and (out / ".series-export").is_file()
+
+
+def test_a_patch_calling_what_an_earlier_patch_defines_depends_on_it(project: Path, tmp_path: Path):
+    """A later patch that touches other files but calls a function an earlier one adds needs it too."""
+    sys.path.insert(0, str(ROOT / "scripts" / "ci"))
+    import export as exporter
+
+    def patch(name: str, path: str, line: str) -> Path:
+        text = (
+            f"From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\nSubject: [PATCH] {name}\n\n"
+            f"---\ndiff --git a/airflow-core/{path} b/airflow-core/{path}\n--- a/airflow-core/{path}\n"
+            f"+++ b/airflow-core/{path}\n@@ -0,0 +1 @@\n+{line}\n"
+        )
+        (tmp_path / f"{name}.patch").write_text(text)
+        return tmp_path / f"{name}.patch"
+
+    first = patch("Add-helper", "src/airflow/new_helper.py", "def _series_helper_xyz(): return 1")
+    other = patch("Other", "src/airflow/other.py", "X = 1")
+    second = patch("Use-helper", "src/airflow/user.py", "from airflow.new_helper import _series_helper_xyz")
+    repo = project / "airflow-core"
+    assert exporter.prerequisites(repo, [first, other, second], second) == [first]
+    assert exporter.prerequisites(repo, [first, other, second], other) == []

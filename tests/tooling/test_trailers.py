@@ -45,6 +45,14 @@ def test_good_patch_passes(tmp_path: Path):
     assert problems(tmp_path, "Write callback requests in the caller's transaction", body) == []
 
 
+def test_applied_upstream_on_main_only_is_accepted(tmp_path: Path):
+    body = (
+        "What and why.\n\nrelated: #42553\n\nBug: https://github.com/apache/airflow/issues/42553\n"
+        "Origin: self\nForwarded: no\nApplied-Upstream: main, https://github.com/apache/airflow/pull/68008\n"
+    )
+    assert problems(tmp_path, "Row-lock the heartbeat-timeout scan", body) == []
+
+
 def test_all_fields_and_forms_accepted(tmp_path: Path):
     body = (
         "What and why.\n\nrelated: #71172\n\n"

@@ -134,7 +134,7 @@ if not os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC"):
 # --------------------------------------------------------------------------------------
 import contextlib
 from collections.abc import Generator
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -487,14 +487,14 @@ def backend() -> str:
 @pytest.fixture
 def session() -> Generator[Session, None, None]:
     """
-    ``airflow.settings.Session()``: the thread's scoped session, i.e. the very session that
-    ``@provide_session`` code called without ``session=`` uses (and commits/closes).
-    Rolled back and removed at teardown.
+    Upstream's ``session``: ``create_session()`` (the thread's scoped ``settings.Session()``, i.e. the very
+    session ``@provide_session`` code called without ``session=`` uses), rolled back at teardown.
     """
-    session = settings.Session()
-    yield session
-    session.rollback()
-    session.close()
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        yield session
+        session.rollback()
     settings.Session.remove()
 
 
@@ -514,11 +514,42 @@ def other_session() -> Generator[Session, None, None]:
 
 @pytest.fixture
 def listener_manager():
-    """Airflow's listener manager, emptied before and after the test (add listeners to it)."""
-    lm = get_listener_manager()
-    lm.clear()
-    yield lm
-    lm.clear()
+    """
+    Upstream's ``listener_manager``: yields ``add_listener(listener)``, which registers with the core (and,
+    if present, the task-sdk) listener manager; both are emptied before and after the test.
+    """
+    core = get_listener_manager()
+    try:
+        from airflow.sdk.listener import get_listener_manager as get_sdk_listener_manager
+
+        sdk = get_sdk_listener_manager()
+    except ImportError:
+        sdk = None
+    managers = [m for m in (core, sdk) if m is not None]
+    for m in managers:
+        m.clear()
+
+    def add_listener(listener) -> None:
+        for m in managers:
+            m.add_listener(listener)
+
+    yield add_listener
+    for m in managers:
+        m.clear()
+
+
+@pytest.fixture
+def testing_dag_bundle() -> None:
+    """Upstream's ``testing_dag_bundle``: a ``DagBundleModel`` named ``testing`` exists (committed)."""
+    from airflow.models.dagbundle import DagBundleModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import func
+
+    with create_session() as s:
+        if not s.scalar(
+            select(func.count()).select_from(DagBundleModel).where(DagBundleModel.name == "testing")
+        ):
+            s.add(DagBundleModel(name="testing"))
 
 
 # ======================================================================================
@@ -540,7 +571,9 @@ class DagMaker:
     ``session``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, default_date: datetime = DEFAULT_DATE) -> None:
+        self.default_date = default_date
+        self.start_date = default_date
         self.dag = None
         self.session: Session | None = None
         self.bundle_name = DAG_MAKER_BUNDLE
@@ -562,8 +595,10 @@ class DagMaker:
         self._dag_id = dag_id
         self.session = session if session is not None else settings.Session()
         self.bundle_name = bundle_name
-        dag_kwargs.setdefault("start_date", DEFAULT_DATE)
-        dag_kwargs.setdefault("schedule", None)
+        # Upstream's defaults: the test module's DEFAULT_DATE if it has one, a daily schedule.
+        dag_kwargs.setdefault("start_date", self.default_date)
+        dag_kwargs.setdefault("schedule", timedelta(days=1))
+        self.start_date = dag_kwargs["start_date"]
         self._dag_kwargs = dag_kwargs
         return self
 
@@ -580,6 +615,10 @@ class DagMaker:
         self.dag.__exit__(exc_type, exc, tb)
         if exc_type is not None:
             return
+        self.sync_to_db()
+
+    def sync_dag_to_db(self) -> None:
+        """Upstream's name: (re)write ``self.dag`` to the DB like the dag-processor, and commit."""
         self.sync_to_db()
 
     def sync_to_db(self) -> None:
@@ -636,19 +675,27 @@ class DagMaker:
         session = session if session is not None else self.session
         dag = self.serialized_dag
 
+        # Upstream's defaults: run_id "test" unless a run_type is given, logical_date = the DAG's start
+        # date, run_after = the end of the data interval, start_date = the DAG's start date.
+        run_type_given = "run_type" in kwargs
         run_type = DagRunType(kwargs.pop("run_type", DagRunType.MANUAL))
-        logical_date = kwargs.pop("logical_date", DEFAULT_DATE)
-        run_after = tz.coerce_datetime(kwargs.pop("run_after", None) or logical_date or tz.utcnow())
+        logical_date = kwargs.pop("logical_date", self.start_date)
         if logical_date is not None:
             logical_date = tz.coerce_datetime(logical_date)
             if "data_interval" not in kwargs:
                 kwargs["data_interval"] = _infer_data_interval(dag, run_type, logical_date)
+        interval = kwargs.get("data_interval")
+        run_after = tz.coerce_datetime(
+            kwargs.pop("run_after", None) or (interval[-1] if interval else None) or tz.utcnow()
+        )
+        if not run_type_given:
+            kwargs.setdefault("run_id", "test")
         kwargs.setdefault(
             "run_id",
             DagRun.generate_run_id(run_type=run_type, logical_date=logical_date, run_after=run_after),
         )
         kwargs.setdefault("state", DagRunState.RUNNING)
-        kwargs.setdefault("start_date", tz.utcnow())
+        kwargs.setdefault("start_date", self.start_date)
         kwargs.setdefault("triggered_by", DagRunTriggeredByType.TEST)
 
         dag_run = dag.create_dagrun(
@@ -675,9 +722,9 @@ def _infer_data_interval(dag, run_type, logical_date):
 
 
 @pytest.fixture
-def dag_maker() -> Generator[DagMaker, None, None]:
-    """See :class:`DagMaker`."""
-    yield DagMaker()
+def dag_maker(request: pytest.FixtureRequest) -> Generator[DagMaker, None, None]:
+    """See :class:`DagMaker` (upstream's defaults: the test module's ``DEFAULT_DATE`` if it defines one)."""
+    yield DagMaker(getattr(request.module, "DEFAULT_DATE", DEFAULT_DATE))
 
 
 # ======================================================================================

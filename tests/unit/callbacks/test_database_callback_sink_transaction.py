@@ -54,6 +54,7 @@ from airflow.callbacks.callback_requests import TaskCallbackRequest
 from airflow.callbacks.database_callback_sink import DatabaseCallbackSink
 from airflow.executors.base_executor import BaseExecutor
 from airflow.listeners import hookimpl
+from airflow.listeners.listener import get_listener_manager
 from airflow.models.db_callback_request import DbCallbackRequest
 from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance
@@ -596,7 +597,7 @@ def test_reschedule_update_during_executor_event_failure_does_not_hit_fk_error(
                 api_done.wait(0.05)
         listener_seen["api"] = "finished while the listener blocked"
 
-    listener_manager.add_listener(_FailedListener(blocking_listener))
+    listener_manager(_FailedListener(blocking_listener))
     api_thread = threading.Thread(target=execution_api_reschedule, name="execution-api", daemon=True)
     api_thread.start()
     try:
@@ -610,7 +611,7 @@ def test_reschedule_update_during_executor_event_failure_does_not_hit_fk_error(
             api_go.set()
             api_done.wait(TIMEOUT)
     finally:
-        listener_manager.clear()
+        get_listener_manager().clear()
         api_thread.join(TIMEOUT)
     assert not api_thread.is_alive()
 

@@ -64,7 +64,7 @@ def test_failure_listener_gets_its_own_session(dag_maker, session, scheduler_job
     """
     runner = scheduler_job_runner
     listener = SessionOpeningListener()
-    listener_manager.add_listener(listener)
+    listener_manager(listener)
     tis = two_failed_events(dag_maker, session, runner, "listener_session")
     held = session.scalars(select(DagRun).where(DagRun.dag_id.in_(list(tis)))).all()
 

@@ -380,7 +380,7 @@ def test_callback_type_follows_task_retries_not_stale_max_tries(
     start_ti(session, dr, runner, "t")
     past_timeout(clock, runner)  # also past [core] min_serialized_dag_update_interval
     dag.task_dict["t"].retries = 0
-    dag_maker.sync_to_db()  # the redeployed DAG: a new latest version, retries=0
+    dag_maker.sync_dag_to_db()  # the redeployed DAG: a new latest version, retries=0
     assert dag_maker.serialized_dag.get_task("t").retries == 0
     session.close()
 

@@ -48,7 +48,7 @@ class RecordingListener:
 @pytest.fixture
 def listener(listener_manager):
     recording = RecordingListener()
-    listener_manager.add_listener(recording)
+    listener_manager(recording)
     return recording
 
 

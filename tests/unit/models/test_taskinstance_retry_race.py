@@ -190,7 +190,7 @@ def test_reschedule_committed_while_failure_listener_runs(dag_maker, session, li
     (ti,) = make_running_tis(dag_maker, session, dag_id="listener_race")
     old_id = ti.id
     listener, calls = reschedule_during_listener(api, old_id)
-    listener_manager.add_listener(listener)
+    listener_manager(listener)
 
     error = None
     try:
@@ -219,7 +219,7 @@ def test_api_takes_row_lock_first(dag_maker, session, listener_manager, api, pau
     task_reschedule row (postgres: ForeignKeyViolation); on MariaDB its DELETE waits for the API's
     row instead and deletes it after the commit, overwriting the reschedule the API confirmed.
     """
-    listener_manager.add_listener(CallListener())
+    listener_manager(CallListener())
     (ti,) = make_running_tis(dag_maker, session, dag_id="api_first")
     old_id = ti.id
     failure = run_in_scheduler_thread(handle_failure_of(_key(ti), ti.task))
@@ -252,7 +252,7 @@ def test_failure_handling_takes_row_lock_first(dag_maker, session, listener_mana
     On 3.3.2 nothing makes the API wait: it commits its reschedule (204), which failure handling
     then deletes and overwrites with up_for_retry.
     """
-    listener_manager.add_listener(CallListener())
+    listener_manager(CallListener())
     (ti,) = make_running_tis(dag_maker, session, dag_id="failure_first")
     old_id = ti.id
     failure = run_in_scheduler_thread(handle_failure_of(_key(ti), ti.task))
@@ -292,7 +292,7 @@ def test_sqlite_reschedule_while_failure_listener_runs(dag_maker, session, liste
         worker.join_or_fail()
 
     listener = CallListener(reschedule_while_listener_runs)
-    listener_manager.add_listener(listener)
+    listener_manager(listener)
     ti.handle_failure("task failed (test)", session=session)
 
     api_call = calls[0]
@@ -313,7 +313,7 @@ def test_sqlite_reschedule_between_failure_read_and_write_is_overwritten(
     only writers (its database lock), and failure handling has not written yet at that point.
     Same on 3.3.2 and with the series.
     """
-    listener_manager.add_listener(CallListener())
+    listener_manager(CallListener())
     (ti,) = make_running_tis(dag_maker, session, dag_id="sqlite_order2")
     old_id = ti.id
     failure = run_in_scheduler_thread(handle_failure_of(_key(ti), ti.task))
@@ -418,7 +418,7 @@ def test_executor_event_while_reschedule_commits(
     none is: failure handling re-reads under its own lock and leaves the rescheduled TI alone.
     """
     runner = scheduler_job_runner
-    listener_manager.add_listener(CallListener())
+    listener_manager(CallListener())
     ti = _running_ti_with_failed_event(dag_maker, session, runner, "executor_event_race")
     old_id = ti.id
 
@@ -458,7 +458,7 @@ def test_executor_event_while_failure_listener_runs(
     ti = _running_ti_with_failed_event(dag_maker, session, runner, "executor_listener_race")
     old_id = ti.id
     listener, calls = reschedule_during_listener(api, old_id)
-    listener_manager.add_listener(listener)
+    listener_manager(listener)
     error = None
     try:
         runner._process_executor_events(executor=runner.executor, session=session)
@@ -528,7 +528,7 @@ def test_failure_listener_runs_after_commit(dag_maker, session, listener_manager
         seen["in_transaction"] = session.in_transaction()
 
     listener = CallListener(look_from_outside)
-    listener_manager.add_listener(listener)
+    listener_manager(listener)
     ti.handle_failure("task failed (test)", session=session)
 
     assert len(listener.calls) == 1
@@ -547,7 +547,7 @@ def test_failure_listener_follows_callers_transaction(dag_maker, session, listen
     """
     (ti,) = make_running_tis(dag_maker, session, dag_id=f"listener_{outcome}")
     listener = CallListener()
-    listener_manager.add_listener(listener)
+    listener_manager(listener)
 
     TaskInstance.fetch_handle_failure_context(ti, "task failed (test)", session=session)
     assert listener.calls == [], "listener called before the caller's transaction ended"
@@ -579,7 +579,7 @@ def test_failure_listener_in_released_savepoint_follows_outer_transaction(
     (ti,) = make_running_tis(dag_maker, session, dag_id=f"listener_savepoint_{outcome}")
     key = _key(ti)
     listener = CallListener()
-    listener_manager.add_listener(listener)
+    listener_manager(listener)
 
     savepoint = session.begin_nested()
     TaskInstance.fetch_handle_failure_context(ti, "task failed (test)", session=session)
@@ -602,7 +602,7 @@ def test_failure_listener_dropped_when_transaction_is_closed(dag_maker, session,
     (ti,) = make_running_tis(dag_maker, session, dag_id="listener_closed")
     key = _key(ti)
     listener = CallListener()
-    listener_manager.add_listener(listener)
+    listener_manager(listener)
 
     TaskInstance.fetch_handle_failure_context(ti, "task failed (test)", session=session)
     session.close()
@@ -619,7 +619,7 @@ def test_failure_listener_dropped_when_create_session_is_interrupted(dag_maker, 
     (ti,) = make_running_tis(dag_maker, session, dag_id="listener_interrupted")
     key = _key(ti)
     listener = CallListener()
-    listener_manager.add_listener(listener)
+    listener_manager(listener)
 
     with pytest.raises(KeyboardInterrupt):
         with create_session() as s:
@@ -638,7 +638,7 @@ def test_failure_listener_arguments(dag_maker, session, listener_manager):
     """Listener arguments are unchanged: previous_state RUNNING, the task instance, the error."""
     (ti,) = make_running_tis(dag_maker, session, dag_id="listener_args")
     listener = CallListener()
-    listener_manager.add_listener(listener)
+    listener_manager(listener)
     ti.handle_failure("task failed (test)", session=session)
 
     assert len(listener.calls) == 1
@@ -657,7 +657,7 @@ def test_raising_failure_listener_is_logged(dag_maker, session, listener_manager
     def boom():
         raise RuntimeError("listener exploded")
 
-    listener_manager.add_listener(CallListener(boom))
+    listener_manager(CallListener(boom))
     with caplog.at_level(logging.ERROR, logger="airflow.models.taskinstance"):
         ti.handle_failure("task failed (test)", session=session)
 
