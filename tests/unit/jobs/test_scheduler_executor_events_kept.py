@@ -81,9 +81,12 @@ def reject_updates_of(task_id: str):
         yield
     finally:
         with settings.engine.begin() as conn:
-            conn.execute(text("DROP TRIGGER IF EXISTS test_reject_ti_update" + (
-                " ON task_instance" if BACKEND == "postgres" else ""
-            )))
+            conn.execute(
+                text(
+                    "DROP TRIGGER IF EXISTS test_reject_ti_update"
+                    + (" ON task_instance" if BACKEND == "postgres" else "")
+                )
+            )
             if BACKEND == "postgres":
                 conn.execute(text("DROP FUNCTION IF EXISTS test_reject_ti_update()"))
 
@@ -590,7 +593,11 @@ def test_sqlite_rollback_of_the_batch_puts_back_the_events_taken_in_it(
     runner = scheduler_job_runner
     executor = runner.executor
     tis = make_running_tis(
-        dag_maker, session, dag_id="sqlite_rollback", task_ids=("queued", POISON), queued_by_job_id=runner.job.id
+        dag_maker,
+        session,
+        dag_id="sqlite_rollback",
+        task_ids=("queued", POISON),
+        queued_by_job_id=runner.job.id,
     )
     by_task = {ti.task_id: ti for ti in tis}
     callback_key = make_queued_callback(session)
