@@ -100,7 +100,7 @@ class BlockingListener:
 @pytest.fixture
 def listener(listener_manager):
     blocking = BlockingListener()
-    listener_manager.add_listener(blocking)
+    listener_manager(blocking)
     yield blocking
     blocking.release.set()
 
@@ -273,7 +273,7 @@ def test_a_rolled_back_failure_gets_no_call_and_listener_changes_are_not_written
     from tests.unit.jobs.test_scheduler_survives_failure_handling import ForeignKeyViolationOnce
 
     listener = ChangingListener()
-    listener_manager.add_listener(listener)
+    listener_manager(listener)
     runner = scheduler_job_runner
     (ti,) = failed_events(dag_maker, session, runner, "bg_rollback", 1)
     try:
