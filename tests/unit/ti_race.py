@@ -284,7 +284,7 @@ def make_running_tis(
     from airflow.providers.standard.operators.empty import EmptyOperator
     from airflow.utils.state import TaskInstanceState
 
-    with dag_maker(dag_id, session=session):
+    with dag_maker(dag_id, schedule=None, session=session):
         for task_id in task_ids:
             EmptyOperator(task_id=task_id, retries=retries, retry_delay=timedelta(seconds=1), **task_kwargs)
     dag_run = dag_maker.create_dagrun()
