@@ -624,3 +624,98 @@ def test_sqlite_rollback_of_the_batch_puts_back_the_events_taken_in_it(
     assert committed_ti("sqlite_rollback", "queued") == (TaskInstanceState.RUNNING, "external-id-1")
     assert committed_ti("sqlite_rollback", POISON)[0] == TaskInstanceState.UP_FOR_RETRY
     assert executor.event_buffer == {}
+
+
+class EndConnectionAtStatement:
+    """End this thread's server connection right before its first ``pattern`` statement after ``after``."""
+
+    def __init__(self, pattern: str, after: str):
+        import re
+
+        self.pattern = re.compile(pattern, re.IGNORECASE | re.DOTALL)
+        self.after = re.compile(after, re.IGNORECASE | re.DOTALL)
+        self.thread = threading.current_thread()
+        self.armed = self.fired = False
+
+    def __enter__(self):
+        from sqlalchemy import event
+
+        event.listen(settings.engine, "before_cursor_execute", self._before)
+        return self
+
+    def __exit__(self, *exc):
+        from sqlalchemy import event
+
+        event.remove(settings.engine, "before_cursor_execute", self._before)
+
+    def _before(self, conn, cursor, statement, parameters, context, executemany):
+        if self.fired or threading.current_thread() is not self.thread:
+            return
+        self.armed = self.armed or bool(self.after.search(statement))
+        if not self.armed or not self.pattern.search(statement):
+            return
+        self.fired = True
+        if BACKEND == "postgres":
+            pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+            kill = f"SELECT pg_terminate_backend({int(pid)})"
+        else:
+            kill = f"KILL {int(conn.exec_driver_sql('SELECT CONNECTION_ID()').scalar_one())}"
+        with settings.engine.connect() as other:
+            other.execute(text(kill))
+            other.commit()
+
+
+@pytest.mark.proves(P_KEEP)
+def test_connection_lost_at_the_batch_locking_read_puts_back_every_event(
+    dag_maker, session, scheduler_job_runner, backend
+):
+    """An error outside the events' savepoints (found by review): the events not taken yet come back too."""
+    if backend == "sqlite":
+        pytest.skip("sqlite: no server connection to end")
+    runner = scheduler_job_runner
+    executor = runner.executor
+    tis = make_running_tis(
+        dag_maker, session, dag_id="conn_lost", task_ids=("a", "b"), queued_by_job_id=runner.job.id
+    )
+    events = {
+        make_queued_callback(session): (CallbackState.SUCCESS, None),
+        tis[0].key: (TaskInstanceState.FAILED, None),
+        tis[1].key: (TaskInstanceState.SUCCESS, None),
+    }
+    executor.event_buffer.update(events)
+    session.expunge_all()
+    session.close()
+    runner.num_runs = 1
+    # The batch's locking read, right after the callback events were applied.
+    with EndConnectionAtStatement(
+        r"FROM task_instance.*SKIP LOCKED", after=r"FROM callback\s+WHERE callback.id"
+    ) as ended:
+        runner._run_scheduler_loop()
+    assert ended.fired
+    assert executor.event_buffer == events, "events taken out of the buffer were lost"
+
+
+@pytest.mark.proves(P_POISON)
+def test_given_up_event_stays_dropped_when_its_transaction_rolls_back(
+    dag_maker, session, scheduler_job_runner, backend
+):
+    """Given up once, never put back by the rollback of the transaction it was taken in (found by review)."""
+    if backend == "sqlite":
+        pytest.skip(NO_SAVEPOINT_ON_SQLITE)
+    from airflow.jobs import scheduler_job_runner as sjr
+
+    runner = scheduler_job_runner
+    executor = runner.executor
+    (ti,) = make_running_tis(
+        dag_maker, session, dag_id="given_up", task_ids=(POISON,), queued_by_job_id=runner.job.id
+    )
+    executor.event_buffer[ti.key] = (TaskInstanceState.FAILED, None)
+    session.expunge_all()
+    with reject_updates_of(POISON):
+        for _ in range(sjr.EXECUTOR_EVENT_MAX_DB_FAILURES - 1):
+            runner._process_executor_events(executor=executor, session=session)
+            session.commit()
+        runner._process_executor_events(executor=executor, session=session)
+        assert executor.event_buffer == {}, "not given up after the bound"
+        session.rollback()  # the batch's COMMIT failed, or a later event ended the whole transaction
+    assert executor.event_buffer == {}, "the given-up event came back with a fresh failure count"
