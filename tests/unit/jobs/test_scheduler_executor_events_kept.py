@@ -686,9 +686,10 @@ def test_connection_lost_at_the_batch_locking_read_puts_back_every_event(
     session.expunge_all()
     session.close()
     runner.num_runs = 1
-    # The batch's locking read, right after the callback events were applied.
+    # The batch's read of its task instances (locking where with_row_locks emits a lock), right after
+    # the callback events were applied.
     with EndConnectionAtStatement(
-        r"FROM task_instance.*SKIP LOCKED", after=r"FROM callback\s+WHERE callback.id"
+        r"^\s*SELECT .*FROM task_instance", after=r"FROM callback\s+WHERE callback.id"
     ) as ended:
         runner._run_scheduler_loop()
     assert ended.fired
