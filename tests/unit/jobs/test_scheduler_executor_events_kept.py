@@ -98,6 +98,14 @@ class _CallbackDef:
         return {"path": "tests.unit.noop", "kwargs": {}, "executor": None}
 
 
+def queued_and_poison_with_a_callback(dag_maker, session, runner, dag_id: str):
+    """Running TIs ``queued`` and POISON (by task id) and a queued callback's key."""
+    tis = make_running_tis(
+        dag_maker, session, dag_id=dag_id, task_ids=("queued", POISON), queued_by_job_id=runner.job.id
+    )
+    return {ti.task_id: ti for ti in tis}, make_queued_callback(session)
+
+
 def make_queued_callback(session) -> CallbackKey:
     callback = ExecutorCallback(_CallbackDef(), fetch_method=CallbackFetchMethod.IMPORT_PATH)
     callback.state = CallbackState.QUEUED
@@ -141,15 +149,7 @@ def test_flush_error_undoes_only_the_failing_event(dag_maker, session, scheduler
         pytest.skip(NO_SAVEPOINT_ON_SQLITE)
     runner = scheduler_job_runner
     executor = runner.executor
-    tis = make_running_tis(
-        dag_maker,
-        session,
-        dag_id="flush_error",
-        task_ids=("queued", POISON),
-        queued_by_job_id=runner.job.id,
-    )
-    by_task = {ti.task_id: ti for ti in tis}
-    callback_key = make_queued_callback(session)
+    by_task, callback_key = queued_and_poison_with_a_callback(dag_maker, session, runner, "flush_error")
     executor.event_buffer[callback_key] = (CallbackState.SUCCESS, None)
     executor.event_buffer[by_task["queued"].key] = (TaskInstanceState.QUEUED, "external-id-1")
     executor.event_buffer[by_task[POISON].key] = (TaskInstanceState.FAILED, None)
@@ -592,15 +592,7 @@ def test_sqlite_rollback_of_the_batch_puts_back_the_events_taken_in_it(
         )
     runner = scheduler_job_runner
     executor = runner.executor
-    tis = make_running_tis(
-        dag_maker,
-        session,
-        dag_id="sqlite_rollback",
-        task_ids=("queued", POISON),
-        queued_by_job_id=runner.job.id,
-    )
-    by_task = {ti.task_id: ti for ti in tis}
-    callback_key = make_queued_callback(session)
+    by_task, callback_key = queued_and_poison_with_a_callback(dag_maker, session, runner, "sqlite_rollback")
     events = {
         callback_key: (CallbackState.SUCCESS, None),
         by_task["queued"].key: (TaskInstanceState.QUEUED, "external-id-1"),
