@@ -31,7 +31,7 @@ from typing import Any
 from sqlalchemy import event, select, text
 
 from airflow import settings
-from airflow._shared.timezones import timezone
+from airflow._shared.timezones.timezone import utcnow
 
 WAIT = 30.0  # seconds; upper bound of every wait in these tests
 POLL = 0.02  # seconds between two looks at the server's lock tables
@@ -199,7 +199,7 @@ class ExecutionApi:
 
         from airflow.api_fastapi.execution_api.datamodels.taskinstance import TIRescheduleStatePayload
 
-        now = timezone.utcnow()
+        now = utcnow()
         payload = TIRescheduleStatePayload(
             state="up_for_reschedule", reschedule_date=now + timedelta(minutes=5), end_date=now
         )
@@ -294,7 +294,7 @@ def make_running_tis(
             select(TaskInstance).where(TaskInstance.dag_id == dag_id, TaskInstance.run_id == dag_run.run_id)
         )
     }
-    now = timezone.utcnow()
+    now = utcnow()
     for ti in by_task.values():
         ti.state = TaskInstanceState.RUNNING
         ti.try_number = 1
