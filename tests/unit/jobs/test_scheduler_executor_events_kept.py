@@ -173,6 +173,18 @@ def test_flush_error_undoes_only_the_failing_event(dag_maker, session, scheduler
 P_KEEP = "Keep-executor-events-until-their-effects-are-committed.patch"
 
 
+def end_server_session(conn) -> None:
+    """End ``conn``'s server session from another connection (``pg_terminate_backend`` / ``KILL``)."""
+    if BACKEND == "postgres":
+        pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+        kill = f"SELECT pg_terminate_backend({int(pid)})"
+    else:
+        kill = f"KILL {int(conn.exec_driver_sql('SELECT CONNECTION_ID()').scalar_one())}"
+    with settings.engine.connect() as other:
+        other.execute(text(kill))
+        other.commit()
+
+
 class KillConnectionAtCommit:
     """
     On this thread, once a statement matching ``armed_by`` ran, end the connection's server session
@@ -205,15 +217,7 @@ class KillConnectionAtCommit:
         if self.commits_left:
             return
         self.fired = True
-        if BACKEND == "postgres":
-            pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
-            kill = text("SELECT pg_terminate_backend(:pid)")
-        else:
-            pid = conn.exec_driver_sql("SELECT CONNECTION_ID()").scalar_one()
-            kill = text(f"KILL {int(pid)}")
-        with settings.engine.connect() as other:
-            other.execute(kill, {"pid": pid} if BACKEND == "postgres" else {})
-            other.commit()
+        end_server_session(conn)
 
     def remove(self):
         self._event.remove(settings.engine, "before_cursor_execute", self._arm)
@@ -647,14 +651,7 @@ class EndConnectionAtStatement:
         if not self.armed or not self.pattern.search(statement):
             return
         self.fired = True
-        if BACKEND == "postgres":
-            pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
-            kill = f"SELECT pg_terminate_backend({int(pid)})"
-        else:
-            kill = f"KILL {int(conn.exec_driver_sql('SELECT CONNECTION_ID()').scalar_one())}"
-        with settings.engine.connect() as other:
-            other.execute(text(kill))
-            other.commit()
+        end_server_session(conn)
 
 
 @pytest.mark.proves(P_KEEP)
