@@ -724,7 +724,7 @@ def test_event_of_a_row_another_transaction_holds_is_kept_without_waiting(
     loop, after the other transaction ended, fails it. Before: failure handling waited for the row
     lock, so the scheduler stalled behind every in-flight API request of its batch.
     """
-    from tests.unit.jobs.test_scheduler_failure_declines import OnFirstCommit, running_dag_ids
+    from sqlalchemy import event
 
     runner = scheduler_job_runner
     executor = runner.executor
@@ -739,19 +739,26 @@ def test_event_of_a_row_another_transaction_holds_is_kept_without_waiting(
     session.close()
     held: list[str] = []
 
-    def api_locks_the_other() -> None:
-        (victim,) = running_dag_ids(keys)
+    def api_locks_the_other(s) -> None:
+        # After the first event's commit (a savepoint release fires after_commit too: not that).
+        if held or s.get_nested_transaction() is not None:
+            return
+        (victim,) = other_session.scalars(
+            select(TaskInstance.dag_id).where(
+                TaskInstance.dag_id.in_(keys), TaskInstance.state == TaskInstanceState.RUNNING
+            )
+        )
         other_session.execute(select(TaskInstance.id).where(TaskInstance.dag_id == victim).with_for_update())
         held.append(victim)
 
     def one_pass() -> None:
         s = settings.Session()
-        hook = OnFirstCommit(s, api_locks_the_other)
+        event.listen(s, "after_commit", api_locks_the_other)
         try:
             runner._process_executor_events(executor=executor, session=s)
             s.commit()
         finally:
-            hook.remove()
+            event.remove(s, "after_commit", api_locks_the_other)
             settings.Session.remove()
 
     scheduler = Worker(one_pass, name="scheduler")
