@@ -252,9 +252,11 @@ def recording_executor_class():
             self.callbacks_sent: list = []
             self.state_changes: list = []
 
-        def send_callback(self, request) -> None:
+        def send_callback(self, request, **kwargs) -> None:
+            # **kwargs: the series passes the caller's session (BaseExecutor.send_callback), as to
+            # every executor that does not override send_callback; the base passes none.
             self.callbacks_sent.append(request)
-            super().send_callback(request)
+            super().send_callback(request, **kwargs)
 
         def change_state(self, key, state, info=None, remove_running=True) -> None:
             self.state_changes.append((key, state, remove_running))

@@ -709,3 +709,79 @@ def test_given_up_event_stays_dropped_when_its_transaction_rolls_back(
         assert executor.event_buffer == {}, "not given up after the bound"
         session.rollback()  # the batch's COMMIT failed, or a later event ended the whole transaction
     assert executor.event_buffer == {}, "the given-up event came back with a fresh failure count"
+
+
+@pytest.mark.proves(P_KEEP)
+@pytest.mark.backend("postgres", "mysql")
+def test_event_of_a_row_another_transaction_holds_is_kept_without_waiting(
+    dag_maker, session, other_session, scheduler_job_runner
+):
+    """
+    Two FAILED events in one batch. Once the first event's failure handling has committed (the
+    batch's row locks are released), another transaction (an execution-API state update in flight)
+    locks the second task instance's row and keeps it. Failure handling does not wait for it: the
+    batch ends, the second event is back in the buffer and nothing is written for it; the next
+    loop, after the other transaction ended, fails it. Before: failure handling waited for the row
+    lock, so the scheduler stalled behind every in-flight API request of its batch.
+    """
+    from sqlalchemy import event
+
+    runner = scheduler_job_runner
+    executor = runner.executor
+    keys = {}
+    for name in ("a", "b"):
+        (ti,) = make_running_tis(
+            dag_maker, session, dag_id=f"locked_row_{name}", task_ids=("t",), queued_by_job_id=runner.job.id
+        )
+        executor.event_buffer[ti.key] = (TaskInstanceState.FAILED, None)
+        keys[ti.dag_id] = ti.key
+    session.expunge_all()
+    session.close()
+    held: list[str] = []
+
+    def api_locks_the_other(s) -> None:
+        # After the first event's commit (a savepoint release fires after_commit too: not that).
+        if held or s.get_nested_transaction() is not None:
+            return
+        (victim,) = other_session.scalars(
+            select(TaskInstance.dag_id).where(
+                TaskInstance.dag_id.in_(keys), TaskInstance.state == TaskInstanceState.RUNNING
+            )
+        )
+        other_session.execute(select(TaskInstance.id).where(TaskInstance.dag_id == victim).with_for_update())
+        held.append(victim)
+
+    def one_pass() -> None:
+        s = settings.Session()
+        event.listen(s, "after_commit", api_locks_the_other)
+        try:
+            runner._process_executor_events(executor=executor, session=s)
+            s.commit()
+        finally:
+            event.remove(s, "after_commit", api_locks_the_other)
+            settings.Session.remove()
+
+    scheduler = Worker(one_pass, name="scheduler")
+    scheduler.start()
+    try:
+        wait_until(
+            lambda: scheduler.done.is_set() or lock_waiters() > 0,
+            "the batch ends or waits for the row lock",
+        )
+        waited = not scheduler.done.is_set()
+    finally:
+        other_session.rollback()  # the other transaction ends: its row lock is released
+        scheduler.join_or_fail()
+    assert scheduler.error is None, f"the batch raised {scheduler.error!r}"
+    assert held, "no commit happened in the batch"
+    assert not waited, "failure handling waited for the row lock another transaction holds"
+    (victim,) = held
+    assert list(executor.event_buffer) == [keys[victim]]
+    assert read_rows(victim, "t", keys[victim].run_id).state == TaskInstanceState.RUNNING
+
+    with settings.Session() as s:
+        runner._process_executor_events(executor=executor, session=s)
+        s.commit()
+    settings.Session.remove()
+    assert executor.event_buffer == {}
+    assert read_rows(victim, "t", keys[victim].run_id).state == TaskInstanceState.UP_FOR_RETRY

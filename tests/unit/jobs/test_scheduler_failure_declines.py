@@ -65,8 +65,13 @@ SUCCESS = TaskInstanceState.SUCCESS
 UP_FOR_RETRY = TaskInstanceState.UP_FOR_RETRY
 RESTARTING = TaskInstanceState.RESTARTING
 
-# The heartbeat purge's revalidation read (``_revalidate_task_instance_without_heartbeat``).
-REVALIDATION = r"SELECT task_instance\.state, task_instance\.try_number, task_instance\.last_heartbeat_at"
+# The heartbeat purge's revalidation read (``_revalidate_task_instance_without_heartbeat``): before
+# the row-lock patch, state, try number, heartbeat and job; with it, the whole row by id (the lock
+# failure handling uses, taken once).
+REVALIDATION = (
+    r"SELECT task_instance\.state, task_instance\.try_number, task_instance\.last_heartbeat_at"
+    r"|^\s*SELECT task_instance\.id, task_instance\.task_id\b.*\bFROM task_instance\s+WHERE task_instance\.id = "
+)
 
 
 def _on_retry(context):  # pragma: no cover - only its presence on the task matters
@@ -277,10 +282,11 @@ def test_executor_event_set_state_does_not_commit_the_batch(dag_maker, session, 
 # The heartbeat-timeout purge
 # ---------------------------------------------------------------------------------------------
 def skip_where_the_scan_locks(session) -> None:
-    if conftest.dialect_locks_rows(session):
+    if conftest.BACKEND != "sqlite":
         pytest.skip(
-            "the scan's and revalidation's FOR UPDATE SKIP LOCKED hold the row until the purge commits: "
-            "another writer waits, there is no window (tests of the row-lock patch)"
+            "revalidation's FOR UPDATE SKIP LOCKED (a real lock on MariaDB too, not with_row_locks) "
+            "holds the row until the purge commits: another writer waits, there is no window "
+            "(tests of the row-lock patch)"
         )
 
 
@@ -289,8 +295,8 @@ def test_heartbeat_purge_skips_task_instance_deleted_after_revalidation(
     dag_maker, session, scheduler_job_runner, clock, timed_out_ti
 ):
     """
-    Where the purge takes no row lock before failing a TI (SQLite, MariaDB), the TI's DAG run is
-    deleted after revalidation read it. Nothing is written or sent for it and the purge ends
+    Where the purge takes no row lock before failing a TI (SQLite; on MariaDB revalidation locks
+    the row too), the TI's DAG run is deleted after revalidation read it. Nothing is written or sent for it and the purge ends
     normally. Before: failure handling's ``refresh_from_db`` set ``state=None`` and the commit
     flushed an UPDATE of the missing row: ``StaleDataError`` out of the scheduler loop.
     """
@@ -329,7 +335,7 @@ def test_heartbeat_purge_writes_nothing_for_a_try_that_succeeded_after_revalidat
     dag_maker, session, scheduler_job_runner, clock, timed_out_ti
 ):
     """
-    Where revalidation is a plain read (SQLite, MariaDB), the worker commits SUCCESS right after
+    Where revalidation is a plain read (SQLite), the worker commits SUCCESS right after
     it. The try did not fail: no callback, no email request, no "heartbeat timeout" log row, the
     executor is not told FAILED, the TI stays SUCCESS. Before: the callback, email request and
     log row were added, ``handle_failure`` declined and committed them (and the purge told the
