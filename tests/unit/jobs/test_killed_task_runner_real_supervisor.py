@@ -33,7 +33,6 @@ What task-sdk 1.3.2 reports (shown below):
 from __future__ import annotations
 
 import json
-import os
 import signal
 import textwrap
 from pathlib import Path
@@ -63,7 +62,6 @@ QUEUED = TaskInstanceState.QUEUED
 SIGKILL_EXIT = -signal.SIGKILL
 
 DAG_FILE = """
-import os
 import signal
 from datetime import datetime, timedelta
 
@@ -234,7 +232,11 @@ def test_earlier_try_killed_sends_no_report(dag_maker, session, api, scheduler_j
 
     assert killed[1:] == (SIGKILL_EXIT, [], [])
     assert committed_state(killed[0]) == TaskInstanceState.RUNNING
-    assert (failed[1], states(failed[2]), failed[3]) == (0, [("up_for_retry", RETRY_FIELDS)], ["on_retry_callback"])
+    assert (failed[1], states(failed[2]), failed[3]) == (
+        0,
+        [("up_for_retry", RETRY_FIELDS)],
+        ["on_retry_callback"],
+    )
     assert committed_state(failed[0]) == UP_FOR_RETRY
 
 
@@ -274,7 +276,9 @@ def test_last_try_killed_local_executor_one_failure_callback(
     """Killed before it reported, last try, LocalExecutor: its event's exit code -9 makes the scheduler
     request the failure callback, once."""
     runner = scheduler_job_runner
-    ti, exit_code, _, ran = run_try(dag_maker, session, api, runner, tmp_path, request, mode="kill", try_number=2)
+    ti, exit_code, _, ran = run_try(
+        dag_maker, session, api, runner, tmp_path, request, mode="kill", try_number=2
+    )
 
     executor_event(runner, ti, SUCCESS, local_event(exit_code))
     executor_event(runner, ti, SUCCESS, local_event(exit_code))
@@ -305,7 +309,9 @@ def test_last_try_killed_celery_executor_gets_no_callback(
 @pytest.mark.guard
 @pytest.mark.parametrize("executor", ["local", "celery"])
 @pytest.mark.parametrize(
-    ("try_number", "callback"), [(1, "on_retry_callback"), (2, "on_failure_callback")], ids=["earlier", "last"]
+    ("try_number", "callback"),
+    [(1, "on_retry_callback"), (2, "on_failure_callback")],
+    ids=["earlier", "last"],
 )
 def test_runner_failed_by_exception_runs_its_own_callback_only(
     dag_maker, session, api, scheduler_job_runner, tmp_path, request, executor, try_number, callback
@@ -339,7 +345,11 @@ def test_earlier_try_killed_in_its_retry_callback_gets_no_second_one(
 
     executor_event(runner, ti, SUCCESS, local_event(exit_code) if executor == "local" else None)
 
-    assert (exit_code, [r["state"] for r in reports], ran) == (SIGKILL_EXIT, ["up_for_retry"], ["on_retry_callback"])
+    assert (exit_code, [r["state"] for r in reports], ran) == (
+        SIGKILL_EXIT,
+        ["up_for_retry"],
+        ["on_retry_callback"],
+    )
     assert callbacks_of_try(ti) == []
 
 
@@ -361,5 +371,9 @@ def test_known_limitation_last_try_killed_after_its_failure_callback_local_execu
 
     executor_event(runner, ti, SUCCESS, local_event(exit_code))
 
-    assert (exit_code, [r["state"] for r in reports], ran) == (SIGKILL_EXIT, ["failed"], ["on_failure_callback"])
+    assert (exit_code, [r["state"] for r in reports], ran) == (
+        SIGKILL_EXIT,
+        ["failed"],
+        ["on_failure_callback"],
+    )
     assert callbacks_of_try(ti) == [FAILED]
