@@ -62,6 +62,7 @@ QUEUED = TaskInstanceState.QUEUED
 SIGKILL_EXIT = -signal.SIGKILL
 
 DAG_FILE = """
+import os
 import signal
 from datetime import datetime, timedelta
 
