@@ -60,6 +60,7 @@ P_KILLED = "Request-callbacks-for-tries-whose-task-runner-was-killed-by-a-signal
 
 QUEUED = TaskInstanceState.QUEUED
 SIGKILL_EXIT = -signal.SIGKILL
+SUPERVISE_TIMEOUT = 180  # seconds; one try takes 1-6 s on the loaded 2-core machine
 
 DAG_FILE = """
 import os
@@ -146,13 +147,25 @@ def supervise(api: ExecutionApi, ti, dag_file: str) -> tuple[int, list[dict]]:
     workload = ExecuteTask.make(
         ti, dag_rel_path=Path(dag_file), bundle_info=BundleInfo(name="dags-folder", version=None)
     )
-    exit_code = supervise_task(
-        ti=workload.ti,  # type: ignore[arg-type]
-        bundle_info=workload.bundle_info,
-        dag_rel_path=workload.dag_rel_path,
-        token="",
-        client=client,
-    )
+
+    def timed_out(signum, frame):
+        raise TimeoutError(f"the supervisor did not finish within {SUPERVISE_TIMEOUT} s")
+
+    # The supervisor waits for its runner without a limit; this wait has one (a forked child does not
+    # inherit the alarm).
+    previous = signal.signal(signal.SIGALRM, timed_out)
+    signal.alarm(SUPERVISE_TIMEOUT)
+    try:
+        exit_code = supervise_task(
+            ti=workload.ti,  # type: ignore[arg-type]
+            bundle_info=workload.bundle_info,
+            dag_rel_path=workload.dag_rel_path,
+            token="",
+            client=client,
+        )
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
     return exit_code, transport.state_reports
 
 
