@@ -2,11 +2,13 @@
 """
 A try whose task runner a signal killed gets exactly one callback of its state (upstream #60858).
 
-task-sdk 1.3.2's supervisor reports such a try ``failed`` (last try) or ``up_for_retry`` through the
-execution API, as it reports a runner that failed and ran its callback; LocalExecutor then sends its
-event with the runner's exit code (``TaskRunnerExit``). The scheduler requests the callback of the
-reported state once, unless the try's audit-log rows show that another path already requested one
-or that the supervisor did not report the state.
+On the last try task-sdk 1.3.2's supervisor reports such a try ``failed`` through the execution API,
+as it reports a runner that failed and ran its callback; LocalExecutor then sends its event with the
+runner's exit code (``TaskRunnerExit``). The scheduler requests the failure callback once, unless the
+try's audit-log rows show that another path already requested one or that the supervisor did not
+report the state. On an earlier try the supervisor reports nothing (the executor event fails the
+running try with its retry callback); ``up_for_retry`` comes only from the runner itself. What a real
+supervisor sends: ``tests/unit/jobs/test_killed_task_runner_real_supervisor.py``.
 
 Real test database; the execution API is Airflow's app in-process (``tests.unit.ti_race``), the
 supervisor's reports are the requests task-sdk 1.3.2 sends. Callback requests are counted from the
@@ -73,30 +75,45 @@ def executor_event(runner, ti, state: TaskInstanceState, info) -> None:
 
 
 @pytest.mark.proves(P_KILLED)
-@pytest.mark.parametrize(
-    ("reported", "try_number", "expected"),
-    [("failed", 2, FAILED), ("up_for_retry", 1, UP_FOR_RETRY)],
-    ids=["last-try", "earlier-try"],
-)
-def test_killed_runner_reported_by_supervisor_one_callback(
-    dag_maker, session, api, scheduler_job_runner, reported, try_number, expected
-):
+def test_killed_runner_reported_by_supervisor_one_callback(dag_maker, session, api, scheduler_job_runner):
     """
-    SIGKILL (OOM) of the runner: the supervisor reports the state, LocalExecutor's event carries the
-    exit code -9: exactly one callback of the reported state; a repeated event adds none.
+    SIGKILL (OOM) of the runner on the last try: the supervisor reports ``failed``, LocalExecutor's
+    event carries the exit code -9: exactly one failure callback; a repeated event adds none.
     """
     runner = scheduler_job_runner
     ti = running_try(
-        dag_maker, session, f"killed_{reported}", retries=1, try_number=try_number,
+        dag_maker, session, "killed_failed", retries=1, try_number=2,
         queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
     )  # fmt: skip
 
-    assert report(api, ti.id, reported) == 204
+    assert report(api, ti.id, "failed") == 204
     executor_event(runner, ti, SUCCESS, runner_exit(SIGKILL_EXIT))
     executor_event(runner, ti, SUCCESS, runner_exit(SIGKILL_EXIT))
 
-    assert committed_state(ti) == reported
-    assert callbacks_of_try(ti) == [expected]
+    assert committed_state(ti) == FAILED
+    assert callbacks_of_try(ti) == [FAILED]
+
+
+@pytest.mark.guard
+def test_runner_killed_after_it_reported_up_for_retry_gets_no_second_callback(
+    dag_maker, session, api, scheduler_job_runner
+):
+    """
+    ``up_for_retry`` reaches the server only from the runner itself (``RetryTask``; task-sdk 1.3.2's
+    supervisor never sends it, ``tests/unit/jobs/test_killed_task_runner_real_supervisor.py``), which
+    then runs ``on_retry_callback``: a runner killed after that (exit code -9) gets no second one.
+    """
+    runner = scheduler_job_runner
+    ti = running_try(
+        dag_maker, session, "killed_after_retry", retries=1, try_number=1,
+        queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
+    )  # fmt: skip
+
+    assert report(api, ti.id, "up_for_retry") == 204
+    executor_event(runner, ti, SUCCESS, runner_exit(SIGKILL_EXIT))
+
+    assert committed_state(ti) == UP_FOR_RETRY
+    assert callbacks_of_try(ti) == []
 
 
 @pytest.mark.guard
