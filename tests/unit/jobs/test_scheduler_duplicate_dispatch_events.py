@@ -114,6 +114,8 @@ def queued_try(dag_maker, session, runner, dag_id: str) -> TI:
     ti.queued_by_job_id = runner.job.id
     ti.queued_dttm = tz.utcnow()
     session.commit()
+    # The scheduler's create_session() shares this thread's scoped session: leave it no stale objects.
+    session.close()
     runner.executor.running.add(ti.key)
     return ti
 
@@ -338,3 +340,44 @@ def test_heartbeat_between_batch_read_and_failure_lock_drops_the_event(
     assert not buffered(runner, ti)
     assert callbacks_of_try(ti) == []
     assert mismatch_logs(ti) == 0
+
+
+@pytest.mark.proves(PATCH)
+def test_held_event_of_try_whose_heartbeat_times_out_is_failed_by_the_scan_once(
+    dag_maker, session, api, scheduler_job_runner
+):
+    """
+    The event arrives when the try's last heartbeat is almost timed out: it is held, and the
+    heartbeat-timeout scan fails the try before the hold ends, within the heartbeat timeout plus the
+    detection interval of that heartbeat and with exactly one callback request; the held event then
+    finds the try no longer running and sends nothing. The hold never delays a failure past the scan.
+    """
+    runner = scheduler_job_runner
+    with time_machine.travel(T0, tick=False) as clock:
+        ti = queued_try(dag_maker, session, runner, "held_then_timed_out")
+        assert start(api, ti.id, **WINNER).status_code == 200
+        last_heartbeat = tz.utcnow()
+        clock.shift(heartbeat_timeout() - timedelta(seconds=5))
+        runner.executor.fail(ti.key)
+        arrived = tz.utcnow()
+        scheduler_pass(runner)
+        assert committed_state(ti) == RUNNING, "held: the try's last heartbeat is within the timeout"
+        assert buffered(runner, ti)
+
+        failed_after = run_loop(runner, clock, ti, until=hold_limit())
+        assert failed_after is not None and failed_after < hold_limit(), "not failed before the hold ended"
+        delay_from_heartbeat = tz.utcnow() - last_heartbeat
+        print(
+            f"\nheld, then timed out: failed by the heartbeat-timeout scan "
+            f"{(tz.utcnow() - arrived).total_seconds():.0f} s after the FAILED event arrived, "
+            f"{delay_from_heartbeat.total_seconds():.0f} s after the last heartbeat (bound: "
+            f"{(heartbeat_timeout() + detection_interval()).total_seconds():.0f} s)"
+        )
+        assert delay_from_heartbeat <= heartbeat_timeout() + detection_interval()
+        clock.shift(LOOP)
+        scheduler_pass(runner)  # the held event: the try is no longer running
+
+    assert committed_state(ti) == UP_FOR_RETRY
+    assert callbacks_of_try(ti) == [UP_FOR_RETRY]
+    assert mismatch_logs(ti) == 0
+    assert runner.executor.event_buffer == {}
