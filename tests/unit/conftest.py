@@ -833,4 +833,40 @@ def scheduler_job_runner() -> Generator[SchedulerJobRunner, None, None]:
         ex.end()
 
 
+def failed_event_hold() -> timedelta:
+    """
+    How long the series holds a FAILED executor event of a running try whose process heartbeated
+    recently before it handles the event as a task killed externally, if no heartbeat follows
+    (``Hold-a-failed-executor-event-until-the-running-try-s-heartbeat-decides.patch``; defaults: 20 s).
+    """
+    from airflow.configuration import conf
+
+    interval = conf.getint("workers", "min_heartbeat_interval")
+    attempts = conf.getint("workers", "max_failed_heartbeats")
+    timeout = conf.getint("scheduler", "task_instance_heartbeat_timeout")
+    return timedelta(seconds=min(timeout, (attempts + 1) * interval))
+
+
+def process_events_of_dead_process(runner: SchedulerJobRunner, session: Session, executor=None) -> int:
+    """
+    ``runner._process_executor_events`` for events of a try whose process died (no commit).
+
+    A FAILED event of a running try that heartbeated recently is held by the series until the try
+    heartbeats again or the hold ends (``failed_event_hold``). Where the event is still in the
+    executor's buffer after the pass, the clock is moved past the hold, as the scheduler loop reaches
+    it when no heartbeat of the dead process follows, and the events are processed again. Before that
+    patch the first pass handles the event and there is no second one.
+    """
+    import time_machine
+    from airflow._shared.timezones import timezone as tz
+    from airflow.utils.state import TaskInstanceState
+
+    executor = executor or runner.executor
+    processed = runner._process_executor_events(executor=executor, session=session)
+    if any(state == TaskInstanceState.FAILED for state, _ in executor.event_buffer.values()):
+        with time_machine.travel(tz.utcnow() + failed_event_hold() + timedelta(seconds=1), tick=False):
+            processed += runner._process_executor_events(executor=executor, session=session)
+    return processed
+
+
 collect_ignore = [module for module, patch in _MODULE_OF_PATCH.items() if not carries(patch)]

@@ -62,6 +62,8 @@ from airflow.models.taskreschedule import TaskReschedule
 from airflow.utils.sqlalchemy import is_lock_not_available_error, with_row_locks
 from airflow.utils.state import TaskInstanceState
 
+from tests.unit.conftest import process_events_of_dead_process
+
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
@@ -237,7 +239,7 @@ def test_executor_event_keeps_ti_row_lock_through_send_callback(
 
     monkeypatch.setattr(TaskInstance, "handle_failure", probe_then_handle_failure)
 
-    scheduler_job_runner._process_executor_events(executor=executor, session=session)
+    process_events_of_dead_process(scheduler_job_runner, session, executor)
     session.commit()
 
     assert observed == [("after send_callback", True), ("handle_failure starts", True)]
@@ -303,7 +305,7 @@ def test_executor_event_failure_rolled_back_leaves_no_callback(
     monkeypatch.setattr(TaskInstance, "handle_failure", failing_handle_failure)
 
     with pytest.raises(RuntimeError, match="injected failure"):
-        scheduler_job_runner._process_executor_events(executor=executor, session=session)
+        process_events_of_dead_process(scheduler_job_runner, session, executor)
     session.rollback()
 
     assert len(executor.callbacks_sent) == 1  # it was sent ...
@@ -323,7 +325,7 @@ def test_executor_event_failure_committed_leaves_one_callback(
     (ti,) = _make_running_tis(dag_maker, session, scheduler_job_runner)
     _queue_event(executor, ti)
 
-    scheduler_job_runner._process_executor_events(executor=executor, session=session)
+    process_events_of_dead_process(scheduler_job_runner, session, executor)
     session.commit()
 
     assert _callback_rows(other_session) == 1
@@ -483,7 +485,7 @@ def test_legacy_executor_override_does_not_commit_scheduler_transaction(
 
     monkeypatch.setattr(executor, "send_callback", counting_send_callback)
 
-    scheduler_job_runner._process_executor_events(executor=executor, session=session)
+    process_events_of_dead_process(scheduler_job_runner, session, executor)
     session.commit()
 
     assert commits_during_send == [0]

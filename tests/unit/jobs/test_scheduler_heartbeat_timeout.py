@@ -557,7 +557,9 @@ def test_fail_fast_stops_remaining_tasks_like_executor_event_path(
     by_scan_states = {t: committed_state(by_scan, t) for t in ("t1", "t2", "t3")}
 
     runner.executor.change_state(ev_key, FAILED, remove_running=True)  # the worker died: executor event
-    process_executor_events(runner)
+    with settings.NonScopedSession() as s:
+        conftest.process_events_of_dead_process(runner, s)  # no heartbeat of t1 follows
+        s.commit()
     by_event_states = {t: committed_state(by_event, t) for t in ("t1", "t2", "t3")}
 
     assert by_event_states == {"t1": FAILED, "t2": TaskInstanceState.SKIPPED, "t3": FAILED}

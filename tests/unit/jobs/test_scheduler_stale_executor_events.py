@@ -45,7 +45,7 @@ from airflow.providers.standard.sensors.time_delta import TimeDeltaSensor
 from airflow.triggers.base import TriggerEvent
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit.conftest import BACKEND, BASE_VERSION, carries, guard_since
+from tests.unit.conftest import BACKEND, BASE_VERSION, carries, guard_since, process_events_of_dead_process
 
 PATCH = "Ignore-stale-executor-events-from-an-earlier-process-of-the-live-try.patch"
 P_PURGE = "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch"
@@ -357,7 +357,8 @@ def test_sensor_killed_during_first_poke_is_failed_once(
     assert running.state == TaskInstanceState.RUNNING
 
     runner.executor.change_state(running.key, event_state)
-    _process_events(runner, session)
+    process_events_of_dead_process(runner, session)  # no heartbeat of the dead process follows
+    session.commit()
 
     after = _reload(session, ti)
     assert after.state == TaskInstanceState.UP_FOR_RETRY
@@ -386,7 +387,8 @@ def test_failed_event_of_live_attempt_is_never_stale(
     assert running.state == TaskInstanceState.RUNNING
 
     runner.executor.fail(running.key)
-    _process_events(runner, session)
+    process_events_of_dead_process(runner, session)  # no heartbeat of the dead process follows
+    session.commit()
 
     assert _reload(session, ti).state == TaskInstanceState.UP_FOR_RETRY
     callbacks = [c for c in runner.executor.callbacks_sent if isinstance(c, TaskCallbackRequest)]

@@ -43,6 +43,7 @@ from airflow.models.taskinstance import TaskInstance as TI
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
 
+from tests.unit.conftest import process_events_of_dead_process
 from tests.unit.ti_race import ExecutionApi
 
 pytestmark = pytest.mark.db_test
@@ -152,10 +153,13 @@ def committed_state(ti: TI) -> str | None:
 
 
 def executor_event(runner, ti: TI, state: TaskInstanceState) -> None:
-    """The executor's event for ``ti``'s try, processed as the scheduler loop does, committed."""
+    """
+    The executor's event for ``ti``'s try, whose process ended (no heartbeat follows), processed as
+    the scheduler loop does, committed (see ``process_events_of_dead_process``).
+    """
     runner.executor.event_buffer[ti.key] = (state, None)
     with settings.NonScopedSession() as s:
-        runner._process_executor_events(executor=runner.executor, session=s)
+        process_events_of_dead_process(runner, s)
         s.commit()
 
 
