@@ -420,6 +420,29 @@ def make_session_factory(engine: Engine) -> sessionmaker:
     return sessionmaker(bind=engine, autoflush=False, expire_on_commit=False)
 
 
+def callback_key_of(callback_id: Any) -> Any:
+    """The executor-event key of the callback with ``callback_id`` (``airflow.models.callback.CallbackKey``)."""
+    from airflow.models.callback import CallbackKey
+
+    if CallbackKey is str:  # compat 3.2.x: the key is str(UUID)
+        return str(callback_id)
+    return CallbackKey(id=str(callback_id))
+
+
+def callback_key_uuid(key: Any) -> Any:
+    """The ``callback.id`` a callback's executor-event key names (see :func:`callback_key_of`)."""
+    import uuid
+
+    return uuid.UUID(key if isinstance(key, str) else key.id)
+
+
+def metrics_of(module: Any) -> Any:
+    """What ``module`` emits its metrics through (``.incr``, ``.gauge``, ...): 3.3's ``stats`` module."""
+    if hasattr(module, "stats"):
+        return module.stats
+    return module.Stats  # compat 3.2.x: the Stats object
+
+
 # Tables whose rows come from initdb itself and must survive cleaning.
 _KEEP_TABLES = {"alembic_version", "log_template"}
 
