@@ -436,6 +436,26 @@ def callback_key_uuid(key: Any) -> Any:
     return uuid.UUID(key if isinstance(key, str) else key.id)
 
 
+def stub_task_runner_exit(monkeypatch: pytest.MonkeyPatch, exit_code: int) -> None:
+    """Make LocalExecutor's worker run a task workload as if its task runner exited with ``exit_code``."""
+    from airflow.executors import local_executor
+
+    if hasattr(BaseExecutor, "run_workload"):
+        monkeypatch.setattr(BaseExecutor, "run_workload", staticmethod(lambda workload, **kwargs: exit_code))
+    else:  # compat 3.2.x: the worker runs a task workload through local_executor._execute_work
+        monkeypatch.setattr(local_executor, "_execute_work", lambda log, workload, team_conf: exit_code)
+
+
+def duplicate_report_statuses(*on_3_3: int) -> tuple[int, ...]:
+    """
+    HTTP statuses the execution API answers when a worker reports the state its try already has.
+
+    3.3 accepts the duplicate without writing (``on_3_3``, e.g. 200); 3.2.x has no duplicate check and
+    refuses any report for a task instance that is not running (409).
+    """
+    return on_3_3 if _release(BASE_VERSION) >= (3, 3) else (409,)
+
+
 def metrics_of(module: Any) -> Any:
     """What ``module`` emits its metrics through (``.incr``, ``.gauge``, ...): 3.3's ``stats`` module."""
     if hasattr(module, "stats"):

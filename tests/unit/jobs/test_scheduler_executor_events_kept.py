@@ -23,7 +23,7 @@ from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance
 from airflow.utils.state import CallbackState, TaskInstanceState
 
-from tests.unit.conftest import BACKEND, callback_key_of, callback_key_uuid, metrics_of
+from tests.unit.conftest import BACKEND, BASE_VERSION, callback_key_of, callback_key_uuid, metrics_of
 from tests.unit.ti_race import Worker, lock_waiters, make_running_tis, read_rows, wait_until
 
 P_CONTAIN = "Keep-the-scheduler-running-when-one-executor-event-fails-in-the-DB.patch"
@@ -592,6 +592,12 @@ def test_sqlite_rollback_of_the_batch_puts_back_the_events_taken_in_it(
         pytest.skip(
             f"{backend}: one savepoint per event, the rest of the batch is kept "
             "(test_flush_error_undoes_only_the_failing_event)"
+        )
+    if BASE_VERSION.startswith("3.2."):
+        pytest.skip(
+            "3.2.x on SQLite cannot apply a callback's executor event: session.get(Callback, key) with the "
+            "str key its executors send fails in SQLAlchemy's Uuid bind (no native UUID column; fixed "
+            "upstream in 3.3, which converts the key to a UUID)"
         )
     runner = scheduler_job_runner
     executor = runner.executor
