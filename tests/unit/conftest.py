@@ -423,6 +423,49 @@ def make_session_factory(engine: Engine) -> sessionmaker:
     return sessionmaker(bind=engine, autoflush=False, expire_on_commit=False)
 
 
+def callback_key_of(callback_id: Any) -> Any:
+    """The executor-event key of the callback with ``callback_id`` (``airflow.models.callback.CallbackKey``)."""
+    from airflow.models.callback import CallbackKey
+
+    if CallbackKey is str:  # compat 3.2.x: the key is str(UUID)
+        return str(callback_id)
+    return CallbackKey(id=str(callback_id))
+
+
+def callback_key_uuid(key: Any) -> Any:
+    """The ``callback.id`` a callback's executor-event key names (see :func:`callback_key_of`)."""
+    import uuid
+
+    return uuid.UUID(key if isinstance(key, str) else key.id)
+
+
+def stub_task_runner_exit(monkeypatch: pytest.MonkeyPatch, exit_code: int) -> None:
+    """Make LocalExecutor's worker run a task workload as if its task runner exited with ``exit_code``."""
+    from airflow.executors import local_executor
+
+    if hasattr(BaseExecutor, "run_workload"):
+        monkeypatch.setattr(BaseExecutor, "run_workload", staticmethod(lambda workload, **kwargs: exit_code))
+    else:  # compat 3.2.x: the worker runs a task workload through local_executor._execute_work
+        monkeypatch.setattr(local_executor, "_execute_work", lambda log, workload, team_conf: exit_code)
+
+
+def duplicate_report_statuses(*on_3_3: int) -> tuple[int, ...]:
+    """
+    HTTP statuses the execution API answers when a worker reports the state its try already has.
+
+    3.3 accepts the duplicate without writing (``on_3_3``, e.g. 200); 3.2.x has no duplicate check and
+    refuses any report for a task instance that is not running (409).
+    """
+    return on_3_3 if _release(BASE_VERSION) >= (3, 3) else (409,)
+
+
+def metrics_of(module: Any) -> Any:
+    """What ``module`` emits its metrics through (``.incr``, ``.gauge``, ...): 3.3's ``stats`` module."""
+    if hasattr(module, "stats"):
+        return module.stats
+    return module.Stats  # compat 3.2.x: the Stats object
+
+
 # Tables whose rows come from initdb itself and must survive cleaning.
 _KEEP_TABLES = {"alembic_version", "log_template"}
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import multiprocessing
 from multiprocessing import SimpleQueue
+from types import SimpleNamespace
 
 import pytest
 
 from airflow.executors import base_executor, local_executor
-from airflow.executors.base_executor import BaseExecutor
 from airflow.executors.workloads import ExecuteTask
 from airflow.models.taskinstancekey import TaskInstanceKey
 from airflow.utils.state import TaskInstanceState
+
+from tests.unit.conftest import stub_task_runner_exit
 
 P_KILLED = "Request-callbacks-for-tries-whose-task-runner-was-killed-by-a-signal.patch"
 
@@ -55,13 +57,13 @@ class _Workload(ExecuteTask):
 def test_worker_sends_runner_exit_code(monkeypatch, exit_code, expected):
     """The worker (the supervisor process) runs one workload whose runner exited with ``exit_code``."""
     key = KEY
-    monkeypatch.setattr(BaseExecutor, "run_workload", staticmethod(lambda workload, **kwargs: exit_code))
+    stub_task_runner_exit(monkeypatch, exit_code)
     monkeypatch.setattr(local_executor, "setproctitle", lambda title, logger: None)
 
     work: SimpleQueue = SimpleQueue()
     output: SimpleQueue = SimpleQueue()
     unread = multiprocessing.Value("I", 2)
-    work.put(_Workload.model_construct())
+    work.put(_Workload.model_construct(ti=SimpleNamespace(key=KEY)))  # 3.2.x's worker reads ti.key
     work.put(None)
     local_executor._run_worker("test", work, output, unread, _Conf())
 

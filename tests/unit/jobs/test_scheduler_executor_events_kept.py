@@ -12,7 +12,6 @@ every event of the batch, that its effect is committed or that it is back in the
 from __future__ import annotations
 
 import threading
-import uuid
 from contextlib import contextmanager
 
 import pytest
@@ -24,7 +23,7 @@ from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance
 from airflow.utils.state import CallbackState, TaskInstanceState
 
-from tests.unit.conftest import BACKEND
+from tests.unit.conftest import BACKEND, BASE_VERSION, callback_key_of, callback_key_uuid, metrics_of
 from tests.unit.ti_race import Worker, lock_waiters, make_running_tis, read_rows, wait_until
 
 P_CONTAIN = "Keep-the-scheduler-running-when-one-executor-event-fails-in-the-DB.patch"
@@ -111,12 +110,12 @@ def make_queued_callback(session) -> CallbackKey:
     callback.state = CallbackState.QUEUED
     session.add(callback)
     session.commit()
-    return CallbackKey(id=str(callback.id))
+    return callback_key_of(callback.id)
 
 
 def committed_callback_state(key: CallbackKey) -> str | None:
     with settings.NonScopedSession() as s:
-        return s.scalar(select(Callback.state).where(Callback.id == uuid.UUID(key.id)))
+        return s.scalar(select(Callback.state).where(Callback.id == callback_key_uuid(key)))
 
 
 def committed_ti(dag_id: str, task_id: str) -> tuple[str | None, str | None]:
@@ -328,13 +327,13 @@ def test_poison_event_is_given_up_visibly_after_a_bounded_number_of_passes(
     from airflow.jobs import scheduler_job_runner as sjr
 
     counted: list[tuple[str, dict]] = []
-    real_incr = sjr.stats.incr
+    real_incr = metrics_of(sjr).incr
 
     def incr(name, *args, **kwargs):
         counted.append((name, kwargs.get("tags") or {}))
         return real_incr(name, *args, **kwargs)
 
-    monkeypatch.setattr(sjr.stats, "incr", incr)
+    monkeypatch.setattr(metrics_of(sjr), "incr", incr)
     runner = scheduler_job_runner
     executor = runner.executor
     (ti,) = make_running_tis(
@@ -425,7 +424,7 @@ def deadlock_the_scheduler(other_session, callback_key: CallbackKey) -> None:
     """
     wait_until(lambda: lock_waiters() >= 1, "the scheduler waits for test_blocker row 1")
     other_session.execute(
-        update(Callback).where(Callback.id == uuid.UUID(callback_key.id)).values(output="test")
+        update(Callback).where(Callback.id == callback_key_uuid(callback_key)).values(output="test")
     )
     other_session.rollback()
 
@@ -593,6 +592,12 @@ def test_sqlite_rollback_of_the_batch_puts_back_the_events_taken_in_it(
         pytest.skip(
             f"{backend}: one savepoint per event, the rest of the batch is kept "
             "(test_flush_error_undoes_only_the_failing_event)"
+        )
+    if BASE_VERSION.startswith("3.2."):
+        pytest.skip(
+            "3.2.x on SQLite cannot apply a callback's executor event: session.get(Callback, key) with the "
+            "str key its executors send fails in SQLAlchemy's Uuid bind (no native UUID column; fixed "
+            "upstream in 3.3, which converts the key to a UUID)"
         )
     runner = scheduler_job_runner
     executor = runner.executor

@@ -24,7 +24,8 @@ except ImportError:  # 3.1.x: no metrics registry; a metric needs no declaration
 
 PATCH = "Ignore-stale-executor-events-from-an-earlier-process-of-the-live-try.patch"
 
-EMITTED = re.compile(r'\bstats\.(?:incr|decr|gauge|timing|timer)\(\s*"([^"{}]+)"')
+# 3.3 emits through the ``stats`` module, 3.2 through the ``Stats`` object.
+EMITTED = re.compile(r'\b[Ss]tats\.(?:incr|decr|gauge|timing|timer)\(\s*"([^"{}]+)"')
 
 
 @pytest.mark.proves(PATCH)
