@@ -171,6 +171,11 @@ def backend_sessions(prefix: str, doc: str, command: tuple[str, ...]) -> None:
 
 backend_sessions("tests", "Run the tests on {backend} against the patched airflow-core.", ("pytest",))
 backend_sessions(
+    "export-check",
+    "Check every export on {backend}: git am onto the pristine sdist, its tests fail without the patch, pass with it.",
+    ("python", "scripts/ci/export_check.py"),
+)
+backend_sessions(
     "verify-series",
     "Prove each patch on {backend}: its tests fail before it, pass with it, the suite stays green.",
     ("python", "scripts/ci/verify_series.py"),
