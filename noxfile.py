@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -181,7 +182,15 @@ def export_check(session: nox.Session, backend: str) -> None:
     ``-- --export DIR`` checks an existing export instead; other posargs (patch numbers) go to the check.
     """
     args = list(session.posargs)
-    with tempfile.TemporaryDirectory(prefix="export-check-export.") as tmp:
+    # The check points the venv's config_templates link at its throwaway tree (export_check.py); a second
+    # export-check of this backend in this clone would re-point it under the first one's tests.
+    lock = open(Path(session.virtualenv.location) / ".export-check.lock", "a+")  # noqa: SIM115
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        session.error(f"another nox -s {session.name} runs in this clone (its venv is in use): run again after it")
+    with lock, tempfile.TemporaryDirectory(prefix="export-check-export.") as tmp:
         if "--export" not in args:
             with tree.locked(ROOT, f"nox -s {session.name}"):
                 prepare_tree()
