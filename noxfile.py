@@ -189,7 +189,9 @@ def export_check(session: nox.Session, backend: str) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
-        session.error(f"another nox -s {session.name} runs in this clone (its venv is in use): run again after it")
+        session.error(
+            f"another nox -s {session.name} runs in this clone (its venv is in use): run again after it"
+        )
     with lock, tempfile.TemporaryDirectory(prefix="export-check-export.") as tmp:
         if "--export" not in args:
             with tree.locked(ROOT, f"nox -s {session.name}"):
@@ -198,7 +200,9 @@ def export_check(session: nox.Session, backend: str) -> None:
                 out = f"{tmp}/export"
                 session.run("python", "scripts/ci/export.py", "--all", "--out", out, "--python", "python")
             args = ["--export", out, *args]
-        in_database(session, backend, "python", "scripts/ci/export_check.py", *args, prepare=False, lock=False)
+        in_database(
+            session, backend, "python", "scripts/ci/export_check.py", *args, prepare=False, lock=False
+        )
 
 
 for _backend in DRIVERS:
@@ -206,9 +210,7 @@ for _backend in DRIVERS:
     def _export_check(session: nox.Session, backend: str = _backend) -> None:
         export_check(session, backend)
 
-    _export_check.__doc__ = (
-        f"Check every export on {_backend}: git am onto the pristine sdist; tests fail without, pass with the patch."
-    )
+    _export_check.__doc__ = f"Check every export on {_backend}: git am onto the pristine sdist; tests fail without, pass with the patch."
     nox.session(name=f"export-check-{_backend}")(_export_check)
 backend_sessions(
     "verify-series",

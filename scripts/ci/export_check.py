@@ -108,7 +108,12 @@ def read_exports(export_dir: Path, names: list[str], wanted: list[str]) -> list[
     """The exports of the series' patches (``names``, in order), restricted to ``wanted`` (numbers or names)."""
     chosen = []
     for number, name in enumerate(names, 1):
-        if wanted and str(number) not in wanted and name not in wanted and name.removesuffix(".patch") not in wanted:
+        if (
+            wanted
+            and str(number) not in wanted
+            and name not in wanted
+            and name.removesuffix(".patch") not in wanted
+        ):
             continue
         folder = export_dir / name.removesuffix(".patch")
         if not folder.is_dir():
@@ -215,7 +220,7 @@ def run_pytest(repo: Path, modules: list[str], root: Path) -> Run:
         proc = subprocess.run(cmd, cwd=core, env=env, capture_output=True, text=True)
         run = read_junit(junit)
     run.code = proc.returncode
-    run.tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+    run.tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-80:])
     if proc.returncode not in (0, 1) and not run.passed + run.failed + run.skipped:
         run.failed += 1  # pytest could not run the modules (import error in the conftest, usage error, ...)
     return run
@@ -227,7 +232,9 @@ def airflow_from(repo: Path, root: Path) -> Path:
     code = "import airflow, pathlib; print(pathlib.Path(airflow.__file__).resolve().parent)"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=repo)
     if proc.returncode:
-        raise CheckError(f"`import airflow` failed with the throwaway tree on PYTHONPATH:\n{proc.stderr[-2000:]}")
+        raise CheckError(
+            f"`import airflow` failed with the throwaway tree on PYTHONPATH:\n{proc.stderr[-2000:]}"
+        )
     return Path(proc.stdout.strip().splitlines()[-1])
 
 
@@ -252,7 +259,11 @@ def check_one(repo: Path, e: Export, root: Path) -> Row:
         row.am = f"failed: {why}"
         return row
     row.am = "ok"
-    different = [m for m in e.modules if not (repo / m).is_file() or (repo / m).read_bytes() != (e.folder / m).read_bytes()]
+    different = [
+        m
+        for m in e.modules
+        if not (repo / m).is_file() or (repo / m).read_bytes() != (e.folder / m).read_bytes()
+    ]
     if different:
         row.note = f"the patch's copy differs from the folder's: {', '.join(different)}"
         return row
@@ -279,7 +290,9 @@ def check(root: Path, export_dir: Path | None, wanted: list[str], work: Path) ->
     repo = pristine(root, work / "repo")
     found = airflow_from(repo, root)
     if not found.is_relative_to(repo):
-        raise CheckError(f"airflow is imported from {found}, not from the throwaway tree: is PYTHONPATH ignored?")
+        raise CheckError(
+            f"airflow is imported from {found}, not from the throwaway tree: is PYTHONPATH ignored?"
+        )
     link = templates_link()
     old = os.readlink(link) if link.is_symlink() else None
     rows = []
@@ -288,7 +301,10 @@ def check(root: Path, export_dir: Path | None, wanted: list[str], work: Path) ->
             link.unlink()
             link.symlink_to(repo / "airflow-core" / "src" / "airflow" / "config_templates")
         for e in exports:
-            print(f"[{e.number}/{len(names)}] {e.name}: {len(e.patches) - 1} dependencies, {len(e.modules)} module(s)", flush=True)
+            print(
+                f"[{e.number}/{len(names)}] {e.name}: {len(e.patches) - 1} dependencies, {len(e.modules)} module(s)",
+                flush=True,
+            )
             row = check_one(repo, e, root)
             rows.append(row)
             print(f"  -> {verdict(row)}", flush=True)
@@ -306,7 +322,9 @@ def check(root: Path, export_dir: Path | None, wanted: list[str], work: Path) ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", type=Path, default=tree.PROJECT, help="project root (default: %(default)s)")
-    parser.add_argument("--export", type=Path, help="check this export of `export.py --all` instead of a fresh one")
+    parser.add_argument(
+        "--export", type=Path, help="check this export of `export.py --all` instead of a fresh one"
+    )
     parser.add_argument("patch", nargs="*", help="only these patches (number in the series or file name)")
     args = parser.parse_args(argv)
     root = args.root.resolve()
@@ -327,7 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nexports checked on {backend}, pristine {tree.base_config(root)['version']} from the sdist:\n")
     print(table(rows, backend))
     bad = [r for r in rows if verdict(r) not in GOOD]
-    print(f"\n{len(rows) - len(bad)} of {len(rows)} exports ok or skipped here" + (f"; wrong: {', '.join(str(r.export.number) for r in bad)}" if bad else ""))
+    print(
+        f"\n{len(rows) - len(bad)} of {len(rows)} exports ok or skipped here"
+        + (f"; wrong: {', '.join(str(r.export.number) for r in bad)}" if bad else "")
+    )
     return 1 if bad else 0
 
 

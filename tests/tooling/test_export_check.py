@@ -84,7 +84,16 @@ def test_read_exports_selects_by_number_or_name_and_names_unknown(tmp_path):
 def test_read_junit_counts_a_real_pytest_run(tmp_path):
     (tmp_path / "test_mod.py").write_text(TESTS + "\nimport nonexistent_module_of_the_patch\n")
     junit = tmp_path / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        str(tmp_path),
+    ]
     subprocess.run([*cmd, f"--rootdir={tmp_path}"], capture_output=True, check=False)
     run = export_check.read_junit(junit)
     # A module that cannot be imported without the patch is a failure (collection error), not "nothing ran".
@@ -122,14 +131,21 @@ def test_verdict(r, expected):
 
 def test_table_has_one_row_per_export_and_the_cells(tmp_path):
     rows = [
-        row(Run(failed=3, skipped=1), Run(passed=3, skipped=1), modules=["airflow-core/tests/unit/jobs/test_a.py"]),
+        row(
+            Run(failed=3, skipped=1),
+            Run(passed=3, skipped=1),
+            modules=["airflow-core/tests/unit/jobs/test_a.py"],
+        ),
         row(None, None, am="failed: x"),
     ]
     text = export_check.table(rows, "postgres")
     lines = text.splitlines()
     assert len(lines) == 4
     assert "without the patch (postgres)" in lines[0]
-    assert "| `jobs/test_a.py` | none | ok | 3 failed, 0 passed, 1 skipped | 0 failed, 3 passed, 1 skipped | ok |" in lines[2]
+    assert (
+        "| `jobs/test_a.py` | none | ok | 3 failed, 0 passed, 1 skipped | 0 failed, 3 passed, 1 skipped | ok |"
+        in lines[2]
+    )
     assert lines[3].endswith("| failed: x | - | - | git am failed |")
 
 
