@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -125,14 +126,16 @@ def in_database(
     *command: str,
     prepare: bool = True,
     success_codes: tuple[int, ...] = (0,),
+    lock: bool = True,
 ) -> None:
     """
     Prepare and install the tree, then run ``command`` with the backend's database configured.
 
     The DSN is in the environment (``AIRFLOW__DATABASE__SQL_ALCHEMY_CONN``), never on the command line;
-    ``prepare=False`` keeps the tree where it is. Holds the tree lock throughout.
+    ``prepare=False`` keeps the tree where it is. Holds the tree lock throughout unless ``lock=False`` (for
+    a command that does not use airflow-core/: export_check.py runs its tests in a throwaway tree).
     """
-    with tree.locked(ROOT, f"nox -s {session.name}"):
+    with tree.locked(ROOT, f"nox -s {session.name}") if lock else contextlib.nullcontext():
         if prepare:
             prepare_tree()
         install(session, backend)
@@ -170,6 +173,45 @@ def backend_sessions(prefix: str, doc: str, command: tuple[str, ...]) -> None:
 
 
 backend_sessions("tests", "Run the tests on {backend} against the patched airflow-core.", ("pytest",))
+
+
+def export_check(session: nox.Session, backend: str) -> None:
+    """Export the series (tree lock held), then check the exports (scripts/ci/export_check.py) on ``backend``.
+
+    The check runs its tests in a throwaway tree of its own, not in airflow-core/: the lock is released for it.
+    ``-- --export DIR`` checks an existing export instead; other posargs (patch numbers) go to the check.
+    """
+    args = list(session.posargs)
+    # The check points the venv's config_templates link at its throwaway tree (export_check.py); a second
+    # export-check of this backend in this clone would re-point it under the first one's tests.
+    lock = open(Path(session.virtualenv.location) / ".export-check.lock", "a+")  # noqa: SIM115
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        session.error(
+            f"another nox -s {session.name} runs in this clone (its venv is in use): run again after it"
+        )
+    with lock, tempfile.TemporaryDirectory(prefix="export-check-export.") as tmp:
+        if "--export" not in args:
+            with tree.locked(ROOT, f"nox -s {session.name}"):
+                prepare_tree()
+                install(session, backend)
+                out = f"{tmp}/export"
+                session.run("python", "scripts/ci/export.py", "--all", "--out", out, "--python", "python")
+            args = ["--export", out, *args]
+        in_database(
+            session, backend, "python", "scripts/ci/export_check.py", *args, prepare=False, lock=False
+        )
+
+
+for _backend in DRIVERS:
+
+    def _export_check(session: nox.Session, backend: str = _backend) -> None:
+        export_check(session, backend)
+
+    _export_check.__doc__ = f"Check every export on {_backend}: git am onto the pristine sdist; tests fail without, pass with the patch."
+    nox.session(name=f"export-check-{_backend}")(_export_check)
 backend_sessions(
     "verify-series",
     "Prove each patch on {backend}: its tests fail before it, pass with it, the suite stays green.",

@@ -13,7 +13,8 @@ Export patches of the series as what upstream pull requests need.
   of pytest itself (``pytest --collect-only`` with the ``series_collect`` plugin, run by ``PY``, which must
   import the tests): the closest ``proves`` marker, however the module spells the patch name (literal,
   module constant, ``pytestmark`` list, ``pytest.param(..., marks=...)``). A module keeps the tests (and
-  parametrize cases) proving the patch, loses ``proves``/``guard`` markers and what only other tests used.
+  parametrize cases) proving the patch, loses ``proves``/``guard`` markers, ``skipif`` markers on the
+  conftest's ``carries()`` (the export holds the patches its tests need) and what only other tests used.
   Project-only names it uses (fixtures of the project's conftest that upstream's ``tests_common`` does
   not provide, helpers imported from the project's modules) are copied into it, with what they use, so
   that it runs in upstream's harness; what cannot be copied is reported (``project-only names left``).
@@ -59,6 +60,9 @@ UPSTREAM_FIXTURES = {
     "create_task_of_operator", "run_task", "mock_xcom_backend", "secret_key", "clean_executor_loader",
 }  # fmt: skip
 PROJECT_MARKERS = ("proves", "guard")
+# The conftest's multi-base helpers: whether the base's queue carries a patch. An export always holds the
+# patches its tests need (as dependencies), so a ``skipif`` on them is dropped, not inlined.
+PROJECT_CONDITIONS = {"carries"}
 MARK = ".series-export"  # in every export folder: only a folder holding it is ever replaced
 
 
@@ -73,6 +77,8 @@ def marker_call(node: ast.expr) -> tuple[str, list[ast.expr]] | None:
 
 def is_project_mark(node: ast.expr) -> bool:
     m = marker_call(node)
+    if m and m[0] == "skipif":
+        return any(isinstance(n, ast.Name) and n.id in PROJECT_CONDITIONS for a in m[1] for n in ast.walk(a))
     return bool(m and m[0] in PROJECT_MARKERS)
 
 
@@ -370,7 +376,10 @@ class Inliner:
                 needs.append((modules[node.value.value.id], node.value.attr))
                 edits.lines(node.lineno, node.end_lineno)  # type: ignore[arg-type]
                 removed.add(id(node))
+        used = {n.id for n in ast.walk(module) if isinstance(n, ast.Name)}
         for local, (origin, name) in names.items():
+            if local not in used:  # imported for tests the export dropped (or a dropped skipif)
+                continue
             needs.append((origin, name))
             if local != name:
                 left.append(f"{local} (imported as another name: {name})")
@@ -385,6 +394,7 @@ class Inliner:
         imports: list[str] = []
         type_imports: list[str] = []
         done: set[tuple[Path, str]] = set()
+        emitted: set[int] = set()
         inlined: list[str] = []
         taken = {name: "own" for name, node in own.items() if id(node) not in removed}
 
@@ -433,6 +443,9 @@ class Inliner:
                     left.append(f"{name} (from {origin.relative_to(self.root)}: the module defines another)")
                 return
             taken[name] = "def"
+            if id(node) in emitted:  # ``A, B = ...`` binds several names: one copy
+                return
+            emitted.add(id(node))
             o_modules, o_names = self.aliases(mod)
             o_edits = Edits(segment(src.splitlines(keepends=True), node))
             shift = first_line(node) - 1
@@ -742,13 +755,14 @@ def defined_names(patch: Path, repo: Path | None = None) -> set[str]:
     return names
 
 
-def prerequisites(repo: Path, patches: list[Path], patch: Path) -> list[Path]:
+def prerequisites(repo: Path, patches: list[Path], patch: Path, declared: list[Path] = ()) -> list[Path]:
     """Earlier patches ``patch`` needs, transitively: those touching the same files when it does not apply to
-    the base alone, and those defining a name its added lines use (a function a later patch calls)."""
+    the base alone, those defining a name its added lines use (a function a later patch calls), and
+    ``declared`` (``needs`` in ``patches/upstream.toml``: what its tests' scenario needs) with theirs."""
     alone = not tree.git(repo, "apply", "--cached", "--check", "-p2", str(patch), check=False).returncode
-    needed: set[Path] = set()
+    needed: set[Path] = set(declared)
     defines = {p: defined_names(p, repo) for p in patches[: patches.index(patch)]}
-    todo = [patch]
+    todo = [patch, *declared]
     while todo:
         current = todo.pop()
         words = set(re.findall(r"\w+", added_lines(current)))
@@ -760,6 +774,18 @@ def prerequisites(repo: Path, patches: list[Path], patch: Path) -> list[Path]:
                 needed.add(p)
                 todo.append(p)
     return [p for p in patches if p in needed]
+
+
+def declared_needs(root: Path, patches: list[Path], patch: Path) -> list[Path]:
+    """The earlier patches ``patches/upstream.toml`` says ``patch``'s tests need (``needs = [...]``)."""
+    names = upstream_notes(root).get("patches", {}).get(patch.name, {}).get("needs", [])
+    earlier = {p.name: p for p in patches[: patches.index(patch)]}
+    unknown = [n for n in names if n not in earlier]
+    if unknown:
+        raise tree.TreeError(
+            f"patches/upstream.toml: {patch.name} needs {', '.join(unknown)}, not an earlier patch of the series"
+        )
+    return [earlier[n] for n in names]
 
 
 def upstream_notes(root: Path) -> dict:
@@ -793,7 +819,7 @@ def write_export(root: Path, name: str, out: Path, logs: list[Path], items: list
         tree.git(root, "clone", "-q", "--shared", "--no-checkout", str(tree.core_dir(root)), str(repo))
         tree.git(repo, "update-ref", "--no-deref", "HEAD", "base^{commit}")
         tree.git(repo, "read-tree", "base")
-        needed = prerequisites(repo, patches, patch)
+        needed = prerequisites(repo, patches, patch, declared_needs(root, patches, patch))
         try:
             for p in needed:
                 commit(repo, p)
@@ -897,6 +923,8 @@ def description(
         if result.depends_on
         else ["Applies to the release on its own."]
     )
+    if why := mine.get("needs-why"):
+        depends.append(f"\nNeeded for its tests' scenario, not for the patch to apply: {why.strip()}")
     k = names.index(result.name)
     if k:
         depends.append(

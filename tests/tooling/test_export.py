@@ -390,3 +390,48 @@ def test_a_patch_calling_what_an_earlier_patch_defines_depends_on_it(project: Pa
     repo = project / "airflow-core"
     assert exporter.prerequisites(repo, [first, other, second], second) == [first]
     assert exporter.prerequisites(repo, [first, other, second], other) == []
+
+
+CARRIES = """from __future__ import annotations
+
+import pytest
+
+from tests.unit.conftest import carries
+from tests.unit.helpers import FIRST_NAME, SECOND_NAME
+
+OTHER = "Other.patch"
+
+
+@pytest.mark.proves("Mine.patch")
+@pytest.mark.skipif(not carries(OTHER), reason="needs Other.patch")
+def test_needs_the_other_patch(session):
+    assert (FIRST_NAME, SECOND_NAME) == (1, 2)
+"""
+CARRIES_HELPERS = """def _pair():
+    return 1, 2
+
+
+FIRST_NAME, SECOND_NAME = _pair()
+"""
+
+
+def test_skipif_on_carries_is_dropped_and_a_tuple_assignment_inlined_once(tmp_path: Path):
+    """An export holds the patches its tests need: the conftest's carries() is not inlined (it reads the
+    project's series file); a helper binding two names is copied once, not once per name."""
+    import export
+
+    for pkg in ("tests", "tests/unit"):
+        (tmp_path / pkg).mkdir(exist_ok=True)
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "tests/unit/conftest.py").write_text("def carries(patch):\n    return True\n")
+    (tmp_path / "tests/unit/helpers.py").write_text(CARRIES_HELPERS)
+    module = tmp_path / "tests/unit/test_mine.py"
+    module.write_text(CARRIES)
+    items = [{"cls": None, "func": "test_needs_the_other_patch", "proves": "Mine.patch", "indices": {}}]
+    text, found = export.for_upstream(CARRIES, "Mine.patch", items)
+    assert found and "skipif" not in text and "proves" not in text
+    text, inlined, left = export.Inliner(tmp_path).inline(text, module, set())
+    assert left == []
+    assert "carries" not in text
+    assert text.count("FIRST_NAME, SECOND_NAME = _pair()") == 1
+    assert "def _pair():" in text

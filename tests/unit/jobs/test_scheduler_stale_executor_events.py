@@ -32,6 +32,7 @@ import pytest
 import time_machine
 from sqlalchemy import event, func, select
 
+import airflow
 from airflow._shared.timezones import timezone
 from airflow.callbacks.callback_requests import TaskCallbackRequest
 from airflow.models.db_callback_request import DbCallbackRequest
@@ -45,7 +46,7 @@ from airflow.providers.standard.sensors.time_delta import TimeDeltaSensor
 from airflow.triggers.base import TriggerEvent
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit.conftest import BACKEND, BASE_VERSION, carries, guard_since, process_events_of_dead_process
+from tests.unit.conftest import BACKEND, carries, guard_since, process_events_of_dead_process
 
 PATCH = "Ignore-stale-executor-events-from-an-earlier-process-of-the-live-try.patch"
 P_PURGE = "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch"
@@ -225,7 +226,7 @@ def _make_deferrable(dag_maker, session, n: int = 1, dag_id: str = "stale_defer"
 
 def _first_poke_rescheduled(session, runner, api, dag_run, tis) -> None:
     """Poke 1 of try 1 runs and records UP_FOR_RESCHEDULE (task_reschedule row); its exit is pending."""
-    if BACKEND == "mysql" and BASE_VERSION.startswith("3.1."):
+    if BACKEND == "mysql" and airflow.__version__.startswith("3.1."):
         pytest.skip(
             "3.1.x on MySQL/MariaDB gives every reschedule poke a new try_number (DagRun.schedule_tis sets "
             "state before its CASE on state is evaluated, left to right; fixed upstream in 3.2): no later "
