@@ -320,6 +320,11 @@ class Soak:
         self.blackhole_conns: list[tuple[float, socket.socket]] = []
         self.blackhole_accepted = 0
         self.ol_port = self._start_blackhole() if args.listener == "openlineage" else 0
+        # duplicate_dispatch (LocalExecutor): request files for the scheduler-side plugin, see
+        # plugins/soak_duplicate_dispatch.py; the try's own processes are not touched
+        self.duplicates = args.executor == "local" and not args.no_duplicate_dispatch
+        self.duplicate_dir = self.home / "duplicate-dispatch"
+        self.duplicated_ti_ids: set[str] = set()
         self.env = self._build_env()
         self.components: dict[str, Component] = {}
         self.session_ids: set[int] = set()
@@ -340,11 +345,6 @@ class Soak:
         self.interrupted = False
         self.restarts: list[dict[str, Any]] = []  # rolling restarts of Celery workers
         self.faulted_ti_ids: set[str] = set()  # tries (TI ids) whose processes a fault or restart hit
-        # duplicate_dispatch (LocalExecutor): request files for the scheduler-side plugin, see
-        # plugins/soak_duplicate_dispatch.py; the try's own processes are not touched
-        self.duplicates = args.executor == "local" and not args.no_duplicate_dispatch
-        self.duplicate_dir = self.home / "duplicate-dispatch"
-        self.duplicated_ti_ids: set[str] = set()
         self.deploy: list[str] = []  # workers still to restart in the current wave
         self.deploy_step: dict[str, Any] | None = None
         self.next_deploy = 0.0
