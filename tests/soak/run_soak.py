@@ -707,7 +707,12 @@ class Soak:
 
     def chaos_tick(self) -> None:
         own = self.own_task_procs()
-        own = [o for o in own if (o[2].pid, o[2].starttime) not in self.stopped]
+        # a duplicated try is left to its duplicate: its outcome shows what the copy's event did
+        own = [
+            o
+            for o in own
+            if (o[2].pid, o[2].starttime) not in self.stopped and o[1] not in self.duplicated_ti_ids
+        ]
         if not own:
             self.no_target_ticks += 1
             return
@@ -769,7 +774,8 @@ class Soak:
         """
         Ask the scheduler (plugin ``soak_duplicate_dispatch``) to send a running try's workload to its
         LocalExecutor a second time. Only tries whose task runner runs and that no fault hit (nor an
-        earlier duplicate): a try this fails is a healthy one failed by the event of another process.
+        earlier duplicate), and no other fault hits them afterwards: a try this fails is a healthy one
+        failed by the event of another process.
         """
         candidates = sorted(
             ti
@@ -1607,7 +1613,7 @@ def analyse_duplicates(
         "duplicate_dispatch": {
             "requested": requested,
             "sent": len(sent),
-            "not_sent_try_over": len(not_sent),
+            "not_sent": len(not_sent),
             "copies_refused_by_ti_run_409": refused,
         },
         "healthy_tries_failed_by_another_process": healthy,
@@ -1714,10 +1720,8 @@ def to_markdown(r: dict[str, Any]) -> str:
         ),
         ("tries whose failure two schedulers handled", len(r["tries_handled_by_two_schedulers"])),
         (
-            "duplicate dispatches: requested / sent by the scheduler / try over before / copies refused by ti_run (409)",
-            " / ".join(
-                str(dd[k]) for k in ("requested", "sent", "not_sent_try_over", "copies_refused_by_ti_run_409")
-            )
+            "duplicate dispatches: requested / sent by the scheduler / copies refused by ti_run (409)",
+            " / ".join(str(dd[k]) for k in ("requested", "sent", "copies_refused_by_ti_run_409"))
             if dd["enabled"]
             else "off",
         ),

@@ -218,7 +218,7 @@ def test_healthy_tries_failed_by_a_duplicate_dispatch():
     assert r["duplicate_dispatch"] == {
         "requested": 5,
         "sent": 3,
-        "not_sent_try_over": 1,
+        "not_sent": 1,
         "copies_refused_by_ti_run_409": 2,
     }
     assert r["healthy_tries_failed_by_another_process"] == [

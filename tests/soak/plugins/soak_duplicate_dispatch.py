@@ -21,8 +21,10 @@ Duplicate dispatch for the chaos soak (upstream #58441, #65708, #63183, PR #6933
 Active only in ``airflow scheduler`` processes and only when ``SOAK_DUPLICATE_DIR`` is set (the soak's
 ``duplicate_dispatch`` fault, LocalExecutor). ``LocalExecutor._process_workloads`` keeps the
 ``ExecuteTask`` workload it sends, by TI id. At every ``sync`` (each scheduler loop, in the scheduler's
-thread) a request file ``$SOAK_DUPLICATE_DIR/<ti_id>`` written by the soak runner makes this executor put
-that same workload on its activity queue a second time, if the try is still in its ``running`` set.
+thread) a request file ``$SOAK_DUPLICATE_DIR/<ti_id>`` written by the soak runner (for a try whose task
+runner it saw running) makes this executor put that same workload on its activity queue a second time.
+(The executor's ``running`` set says nothing here: LocalExecutor drops a key from it at the worker's
+RUNNING event.)
 A LocalExecutor worker process runs the copy as it runs any workload: its supervisor forks a task runner
 and calls ``ti_run``, which the execution API refuses (409, the try is already running with another
 pid); the supervisor raises and the worker reports FAILED for the same key while the first copy runs and
@@ -85,9 +87,6 @@ def _install() -> None:
                 "try_number": key.try_number,
                 "pid": os.getpid(),
             }
-            if key not in self.running:
-                _record({**rec, "sent": False, "why": "try no longer in the executor's running set"})
-                continue
             self.activity_queue.put(workload)
             with self._unread_messages:
                 self._unread_messages.value += 1
