@@ -775,12 +775,28 @@ class Soak:
         Ask the scheduler (plugin ``soak_duplicate_dispatch``) to send a running try's workload to its
         LocalExecutor a second time. Only tries whose task runner runs and that no fault hit (nor an
         earlier duplicate), and no other fault hits them afterwards: a try this fails is a healthy one
-        failed by the event of another process.
+        failed by the event of another process. Not sensors: a reschedule sensor's poke lasts a few
+        seconds, so its copy's FAILED event meets the try between two pokes (the stale-event case,
+        counted apart), not a running process.
         """
+        from sqlalchemy import text
+
+        with self.engine.connect() as c:
+            long_running = {
+                norm_uuid(r[0])
+                for r in c.execute(
+                    text(
+                        "SELECT id FROM task_instance WHERE state = 'running' AND operator NOT LIKE '%Sensor'"
+                    )
+                )
+            }
         candidates = sorted(
             ti
             for ti, roles in by_ti.items()
-            if "runner" in roles and ti not in self.faulted_ti_ids and ti not in self.duplicated_ti_ids
+            if "runner" in roles
+            and ti in long_running
+            and ti not in self.faulted_ti_ids
+            and ti not in self.duplicated_ti_ids
         )
         if not candidates:
             self.no_target_ticks += 1
