@@ -320,6 +320,11 @@ class Soak:
         self.blackhole_conns: list[tuple[float, socket.socket]] = []
         self.blackhole_accepted = 0
         self.ol_port = self._start_blackhole() if args.listener == "openlineage" else 0
+        # duplicate_dispatch (LocalExecutor): request files for the scheduler-side plugin, see
+        # plugins/soak_duplicate_dispatch.py; the try's own processes are not touched
+        self.duplicates = args.executor == "local" and not args.no_duplicate_dispatch
+        self.duplicate_dir = self.home / "duplicate-dispatch"
+        self.duplicated_ti_ids: set[str] = set()
         self.env = self._build_env()
         self.components: dict[str, Component] = {}
         self.session_ids: set[int] = set()
@@ -385,6 +390,7 @@ class Soak:
                 "SOAK_CALLBACK_FILE": str(self.callback_file),
                 "SOAK_LISTENER_FILE": str(self.listener_file),
                 "SOAK_LISTENER_SLEEP": str(self.args.listener_sleep),
+                **({"SOAK_DUPLICATE_DIR": str(self.duplicate_dir)} if self.duplicates else {}),
                 "PYTHONUNBUFFERED": "1",
             }
         )
@@ -462,6 +468,8 @@ class Soak:
             )
         self.callback_file.touch()
         self.listener_file.touch()
+        if self.duplicates:
+            self.duplicate_dir.mkdir(exist_ok=True)
         from sqlalchemy import create_engine
 
         self.engine = create_engine(self.args.dsn, pool_pre_ping=True, pool_size=2)
@@ -699,7 +707,12 @@ class Soak:
 
     def chaos_tick(self) -> None:
         own = self.own_task_procs()
-        own = [o for o in own if (o[2].pid, o[2].starttime) not in self.stopped]
+        # a duplicated try is left to its duplicate: its outcome shows what the copy's event did
+        own = [
+            o
+            for o in own
+            if (o[2].pid, o[2].starttime) not in self.stopped and o[1] not in self.duplicated_ti_ids
+        ]
         if not own:
             self.no_target_ticks += 1
             return
@@ -712,7 +725,12 @@ class Soak:
             ("stop_supervisor", 0.25),
             ("stop_runner", 0.15),
         ]
+        if self.duplicates:
+            kinds.append(("duplicate_dispatch", 0.2))
         kind = self.rng.choices([k for k, _ in kinds], weights=[w for _, w in kinds])[0]
+        if kind == "duplicate_dispatch":
+            self.duplicate_dispatch(by_ti)
+            return
         role = kind.split("_", 1)[1]
         candidates = sorted(ti for ti, roles in by_ti.items() if role in roles)
         if not candidates:
@@ -751,6 +769,45 @@ class Soak:
             f"chaos: {rec['kind']} ti={ti_id} pid={target.pid}"
             + (f" for {rec['hold_s']}s" if "hold_s" in rec else "")
         )
+
+    def duplicate_dispatch(self, by_ti: dict[str, dict[str, Proc]]) -> None:
+        """
+        Ask the scheduler (plugin ``soak_duplicate_dispatch``) to send a running try's workload to its
+        LocalExecutor a second time. Only tries whose task runner runs and that no fault hit (nor an
+        earlier duplicate), and no other fault hits them afterwards: a try this fails is a healthy one
+        failed by the event of another process. Not sensors: a reschedule sensor's poke lasts a few
+        seconds, so its copy's FAILED event meets the try between two pokes (the stale-event case,
+        counted apart), not a running process.
+        """
+        from sqlalchemy import text
+
+        with self.engine.connect() as c:
+            long_running = {
+                norm_uuid(r[0])
+                for r in c.execute(
+                    text(
+                        "SELECT id FROM task_instance WHERE state = 'running' AND operator NOT LIKE '%Sensor'"
+                    )
+                )
+            }
+        candidates = sorted(
+            ti
+            for ti, roles in by_ti.items()
+            if "runner" in roles
+            and ti in long_running
+            and ti not in self.faulted_ti_ids
+            and ti not in self.duplicated_ti_ids
+        )
+        if not candidates:
+            self.no_target_ticks += 1
+            return
+        ti_id = candidates[self.rng.randrange(len(candidates))]
+        (self.duplicate_dir / ti_id).write_text(f"{time.time()}\n")
+        self.duplicated_ti_ids.add(ti_id)
+        self.actions.append(
+            {"t": round(time.monotonic() - self.t_start, 1), "kind": "duplicate_dispatch", "ti_id": ti_id}
+        )
+        log(f"chaos: duplicate_dispatch ti={ti_id} (requested from the scheduler)")
 
     def resume_due(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -1063,6 +1120,16 @@ def analyse(soak: Soak) -> dict[str, Any]:
             )
         ]
         reschedules = c.execute(text("SELECT count(*) FROM task_reschedule")).scalar()
+        # the scheduler's "state mismatch" audit-log rows carry the try (executor-event failures)
+        mismatch_rows = [
+            dict(r._mapping)
+            for r in c.execute(
+                text(
+                    "SELECT dttm, dag_id, task_id, run_id, map_index, try_number, extra FROM log"
+                    " WHERE event = 'state mismatch'"
+                )
+            )
+        ]
 
     def label(key: tuple) -> str:
         return f"{key[0]}.{key[2]} {key[1]}" + (f"[{key[3]}]" if key[3] not in (-1, None) else "")
@@ -1247,6 +1314,18 @@ def analyse(soak: Soak) -> dict[str, Any]:
     ]
 
     extra = analyse_tries_and_services(soak, tis, tih, file_cbs, text_log)
+    sent_file = soak.duplicate_dir / "sent.jsonl"
+    extra.update(
+        analyse_duplicates(
+            requested=sum(1 for a in soak.actions if a["kind"] == "duplicate_dispatch"),
+            sent_lines=sent_file.read_text(errors="replace").splitlines() if sent_file.exists() else [],
+            faulted_ti_ids=soak.faulted_ti_ids,
+            mismatch_rows=mismatch_rows,
+            try_state=try_state,
+            api_log=soak.log_text("api-server"),
+        )
+    )
+    extra["duplicate_dispatch"]["enabled"] = soak.duplicates
 
     kinds = collections.Counter(a["kind"] for a in soak.actions)
     sched_exits = [e.__dict__ for e in soak.exits if e.component.startswith("scheduler")]
@@ -1257,7 +1336,7 @@ def analyse(soak: Soak) -> dict[str, Any]:
     listener_calls = len(soak.listener_file.read_text().splitlines()) if soak.listener_file.exists() else 0
     failures_run = sum(len(v) for v in file_cbs.values())
 
-    series_fail = bool(series_exits or duplicate_tries)
+    series_fail = bool(series_exits or duplicate_tries or extra["healthy_tries_failed_by_another_process"])
     strict_fail = bool(success_after_cb or sensors_failed_by_stale or missing_history or too_many_tries)
     if series_fail or (args.strict and strict_fail):
         verdict, code = "FAIL (series areas)", 1
@@ -1469,6 +1548,94 @@ def analyse_tries_and_services(
     }
 
 
+def epoch(v: Any) -> float | None:
+    """Epoch seconds of a datetime from the database (naive = UTC, as Airflow stores it) or a log line."""
+    if isinstance(v, str):
+        return parse_log_ts(v)
+    if isinstance(v, datetime.datetime):
+        return (v if v.tzinfo else v.replace(tzinfo=datetime.timezone.utc)).timestamp()
+    return None
+
+
+def analyse_duplicates(
+    *,
+    requested: int,
+    sent_lines: list[str],
+    faulted_ti_ids: set[str],
+    mismatch_rows: list[dict[str, Any]],
+    try_state: Any,
+    api_log: str,
+) -> dict[str, Any]:
+    """
+    The duplicate_dispatch fault: what the scheduler sent and which healthy tries the copies failed.
+
+    ``sent_lines``: the plugin's ``sent.jsonl`` (one line per request it handled: the try's key, when,
+    whether the copy went onto the activity queue). A **healthy try failed by an executor event of another
+    process**: a try whose workload was sent a second time, that no other fault hit (its own processes
+    were neither killed nor stopped, so they ran and heartbeat), which the scheduler failed through the
+    executor-event path after the copy was sent (a ``state mismatch`` log row for that try: "finished with
+    state failed, but the task instance's state attribute is running") and whose recorded state is
+    failed / up_for_retry. ``heartbeats_after_failure``: the first copy's heartbeat requests of that TI
+    after the failure (api-server access log; 409 once the try is no longer running), evidence that the
+    process the failure was about was alive.
+    """
+    access: list[tuple[float, str, str, int]] = []
+    for line in api_log.splitlines():
+        m = ACCESS_RE.search(line)
+        ts = parse_log_ts(line) if m else None
+        if m and ts is not None:
+            access.append((ts, m.group(1), m.group(2), int(m.group(3))))
+    sent, not_sent, refused, healthy = [], [], 0, []
+    for line in sent_lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        (sent if rec.get("sent") else not_sent).append(rec)
+    for rec in sent:
+        ti_id = norm_uuid(rec["ti_id"])
+        run_path = f"/execution/task-instances/{ti_id}/run"
+        refused += any(
+            ts >= rec["ts"] - 1 and method == "PATCH" and path == run_path and status == 409
+            for ts, method, path, status in access
+        )
+        if ti_id in faulted_ti_ids:
+            continue
+        key = (rec["dag_id"], rec["run_id"], rec["task_id"], rec.get("map_index", -1))
+        failed_at = [
+            epoch(r["dttm"])
+            for r in mismatch_rows
+            if (r["dag_id"], r["run_id"], r["task_id"], r["map_index"]) == key
+            and r["try_number"] == rec["try_number"]
+            and "finished with state failed, but the task instance's state attribute is running"
+            in (r["extra"] or "")
+            and (epoch(r["dttm"]) or 0) >= rec["ts"] - 1
+        ]
+        state = try_state(key, int(rec["try_number"]))
+        if not failed_at or state not in ("failed", "up_for_retry"):
+            continue
+        beat_path = f"/execution/task-instances/{ti_id}/heartbeat"
+        beats = [status for ts, _, path, status in access if path == beat_path and ts > min(failed_at)]
+        healthy.append(
+            {
+                "try": f"{key[0]}.{key[2]} {key[1]} try {rec['try_number']}",
+                "ti_id": ti_id,
+                "state": state,
+                "failed_s_after_dispatch": round(min(failed_at) - rec["ts"], 1),
+                "heartbeats_after_failure": dict(collections.Counter(beats)),
+            }
+        )
+    return {
+        "duplicate_dispatch": {
+            "requested": requested,
+            "sent": len(sent),
+            "not_sent": len(not_sent),
+            "copies_refused_by_ti_run_409": refused,
+        },
+        "healthy_tries_failed_by_another_process": healthy,
+    }
+
+
 def proc_role(title: str) -> str:
     if "dag-processor" in title or "dag_processor" in title:
         return "dag-processor"
@@ -1496,6 +1663,7 @@ def to_markdown(r: dict[str, Any]) -> str:
     restarts = collections.Counter(x["kind"] for x in r["worker_restarts"])
     shutdowns = [x["shutdown_s"] for x in r["worker_restarts"] if x["kind"] == "warm" and "shutdown_s" in x]
     fh = r["failure_handling_s"]
+    dd = r["duplicate_dispatch"]
     rows = [
         ("apache-airflow-core", r["airflow"]),
         (
@@ -1568,6 +1736,16 @@ def to_markdown(r: dict[str, Any]) -> str:
         ),
         ("tries whose failure two schedulers handled", len(r["tries_handled_by_two_schedulers"])),
         (
+            "duplicate dispatches: requested / sent by the scheduler / copies refused by ti_run (409)",
+            " / ".join(str(dd[k]) for k in ("requested", "sent", "copies_refused_by_ti_run_409"))
+            if dd["enabled"]
+            else "off",
+        ),
+        (
+            "healthy tries failed by an executor event of another process (a duplicate's FAILED; no fault on the try)",
+            len(r["healthy_tries_failed_by_another_process"]) if dd["enabled"] else "n/a",
+        ),
+        (
             "on_task_instance_failed listeners in the schedulers: time per call (all listeners)",
             f"{r['scheduler_listener_s']['calls']} calls, median {r['scheduler_listener_s']['median']} s,"
             f" max {r['scheduler_listener_s']['max']} s, total {r['scheduler_listener_s']['total']} s",
@@ -1632,6 +1810,10 @@ def to_markdown(r: dict[str, Any]) -> str:
             "tries_with_more_than_one_listener_call",
         ),
         ("Tries whose failure two schedulers handled", "tries_handled_by_two_schedulers"),
+        (
+            "Healthy tries failed by an executor event of another process",
+            "healthy_tries_failed_by_another_process",
+        ),
         ("Failed tries without a failure/retry callback", "failed_tries_without_callback"),
         ("Worker restarts", "worker_restarts"),
         ("TIs with more tries than max_tries+1", "tis_over_max_tries"),
@@ -1733,6 +1915,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds a worker gets for its warm shutdown before its session is SIGKILLed (default 60)",
     )
     p.add_argument("--no-chaos", action="store_true", help="inject no fault (slow listener only)")
+    p.add_argument(
+        "--no-duplicate-dispatch",
+        action="store_true",
+        help="leave out the duplicate_dispatch fault (LocalExecutor only, on by default: the scheduler sends a"
+        " running try's workload a second time; the copy's ti_run is refused and its worker reports FAILED"
+        " for the same key); without it the fault mix is the one of the runs before this fault was added",
+    )
     p.add_argument(
         "--strict",
         action="store_true",

@@ -148,3 +148,85 @@ def test_per_failed_try_counts(tmp_path):
     assert r["failed_tries_without_callback"] == [{"try": "d.u r try 1", "state": "up_for_retry"}]
     assert r["tries_handled_by_two_schedulers"] == []
     assert r["scheduler_listener_s"] == {"calls": 2, "median": 2.5, "max": 2.5, "total": 3.5}
+
+
+def test_healthy_tries_failed_by_a_duplicate_dispatch():
+    """A duplicated try that no other fault hit and that the scheduler failed from RUNNING counts; the rest not."""
+    import datetime
+    import json
+
+    def sent(ti_id, task, ts, ok=True):
+        return json.dumps(
+            {
+                "ts": ts,
+                "ti_id": ti_id,
+                "dag_id": "d",
+                "task_id": task,
+                "run_id": "r",
+                "map_index": -1,
+                "try_number": 1,
+                "sent": ok,
+            }
+        )
+
+    healthy, faulted, declined, early = (TI[:-1] + c for c in "1234")
+    t0 = 1796120663.0  # 2026-12-01T10:24:23Z
+
+    def mismatch(task, dt, ti_state="running"):
+        return {
+            "dttm": datetime.datetime.fromtimestamp(t0 + dt, datetime.timezone.utc).replace(tzinfo=None),
+            "dag_id": "d",
+            "task_id": task,
+            "run_id": "r",
+            "map_index": -1,
+            "try_number": 1,
+            "extra": "Executor LocalExecutor(parallelism=8) reported that the task instance <TaskInstance: d.x r"
+            f" [{ti_state}]> finished with state failed, but the task instance's state attribute is {ti_state}.",
+        }
+
+    def access(dt, method, ti_id, route, status):
+        ts = (
+            datetime.datetime.fromtimestamp(t0 + dt, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+        )
+        return (
+            f"{ts} [info     ] request finished [http.access] method={method} "
+            f"path=/execution/task-instances/{ti_id}/{route} query= status_code={status}"
+        )
+
+    states = {"h": "up_for_retry", "f": "failed", "d": "running", "e": "success"}
+    r = run_soak.analyse_duplicates(
+        requested=5,
+        sent_lines=[
+            sent(healthy, "h", t0),
+            sent(faulted, "f", t0),
+            sent(declined, "d", t0),
+            sent(early, "e", t0, ok=False),
+            "not json",
+        ],
+        faulted_ti_ids={faulted},
+        mismatch_rows=[mismatch("h", 2), mismatch("h", -30), mismatch("f", 2), mismatch("d", 2)],
+        try_state=lambda key, n: states[key[2]],
+        api_log="\n".join(
+            [
+                access(1, "PATCH", healthy, "run", 409),
+                access(1, "PATCH", faulted, "run", 409),
+                access(5, "PUT", healthy, "heartbeat", 409),
+                access(-5, "PUT", healthy, "heartbeat", 204),
+            ]
+        ),
+    )
+    assert r["duplicate_dispatch"] == {
+        "requested": 5,
+        "sent": 3,
+        "not_sent": 1,
+        "copies_refused_by_ti_run_409": 2,
+    }
+    assert r["healthy_tries_failed_by_another_process"] == [
+        {
+            "try": "d.h r try 1",
+            "ti_id": healthy,
+            "state": "up_for_retry",
+            "failed_s_after_dispatch": 2.0,
+            "heartbeats_after_failure": {409: 1},
+        }
+    ]
