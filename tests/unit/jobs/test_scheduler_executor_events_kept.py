@@ -494,20 +494,47 @@ def test_deadlock_that_ends_the_whole_transaction_puts_back_every_event_of_it(
     assert executor.event_buffer == {}
 
 
+def second_executor(runner):
+    """
+    A second executor of ``runner``, wired like the fixture's first one (a scheduler configured with
+    two executors): ``_process_executor_events_of_all_executors`` handles its events after all of the
+    first executor's, in the same transaction.
+    """
+    from airflow.callbacks.database_callback_sink import DatabaseCallbackSink
+    from airflow.executors.executor_utils import ExecutorName
+
+    from tests.unit.conftest import RecordingExecutor
+
+    executor = RecordingExecutor()
+    executor.name = ExecutorName(module_path="tests.unit.conftest.RecordingExecutor", alias="second")
+    executor.job_id = runner.job.id
+    executor.callback_sink = DatabaseCallbackSink()
+    executor.start()
+    runner.executors.append(executor)
+    return executor
+
+
 @pytest.mark.proves(P_KEEP)
 @pytest.mark.parametrize("killed_commit", [1, 2, 4])
 def test_accounting_over_one_batch_with_injected_faults(
     dag_maker, session, other_session, scheduler_job_runner, backend, killed_commit
 ):
     """
-    One batch of 11 events: 2 callback-key events, 4 QUEUED events, 3 FAILED events handled as
-    externally killed (their failure handling commits mid-batch), 1 FAILED event whose UPDATE the
-    database rejects (flush error) and 1 QUEUED event of a row another transaction holds locked
-    (postgres: skipped by SKIP LOCKED). The connection is ended before the ``killed_commit``-th
-    COMMIT of the pass: 1 and 2 are commits of failure handling mid-batch, 4 is the batch's own
-    (three failure handlings commit before it). After each
-    scheduler pass, for every event: its effect is committed, or it is in the executor's buffer,
+    One batch of 13 events: in the first executor's buffer 2 callback-key events, 4 QUEUED events,
+    3 FAILED events handled as externally killed (their failure handling commits mid-batch), 1
+    FAILED event whose UPDATE the database rejects (flush error) and 1 QUEUED event of a row another
+    transaction holds locked (postgres: skipped by SKIP LOCKED); in a second executor's buffer 2
+    QUEUED events, handled after all of the first's, in the same transaction. The connection is
+    ended before the ``killed_commit``-th COMMIT of the pass: 1 and 2 are commits of failure
+    handling mid-batch, 4 is the batch's own (three failure handlings commit before it). After each
+    scheduler pass, for every event: its effect is committed, or it is in its executor's buffer,
     never both, never neither (events in = applied + still buffered).
+
+    The batch's read has no ORDER BY, so the database may return a FAILED event's task instance
+    last (seen once on postgres); the second executor's events keep the batch's own COMMIT (the 4th)
+    in the batch whatever that order. Without them, the batch's transaction was then empty after the
+    last failure handling's commit, made no COMMIT of its own, and the 4th COMMIT of the pass was the
+    deadline check's, outside the executor events: the scheduler loop raised.
     """
     from tests.unit.conftest import dialect_locks_rows
 
@@ -515,25 +542,29 @@ def test_accounting_over_one_batch_with_injected_faults(
         pytest.skip("sqlite: a server session that another connection can end does not exist there")
     runner = scheduler_job_runner
     executor = runner.executor
+    second = second_executor(runner)
     queued = ("q1", "q2", "q3", "q4")
     failed = ("f1", "f2", "f3")
+    of_second = ("s1", "s2")
     tis = make_running_tis(
         dag_maker,
         session,
         dag_id="accounting",
-        task_ids=(*queued, *failed, POISON, "locked"),
+        task_ids=(*queued, *failed, POISON, "locked", *of_second),
         queued_by_job_id=runner.job.id,
     )
     by_task = {ti.task_id: ti for ti in tis}
     callbacks = [make_queued_callback(session) for _ in range(2)]
     events: dict = {c: (CallbackState.SUCCESS, None) for c in callbacks}
-    for t in (*queued, "locked"):
+    for t in (*queued, "locked", *of_second):
         events[by_task[t].key] = (TaskInstanceState.QUEUED, f"external-{t}")
     for t in (*failed, POISON):
         events[by_task[t].key] = (TaskInstanceState.FAILED, None)
     locked_id = by_task["locked"].id
     task_of = {by_task[t].key: t for t in by_task}
-    executor.event_buffer.update(events)
+    buffer_of = {k: second if task_of.get(k) in of_second else executor for k in events}
+    for k, value in events.items():
+        buffer_of[k].event_buffer[k] = value
     runner.num_runs = 1  # each pass: one pass of the real scheduler loop
     session.expunge_all()
     session.close()
@@ -550,7 +581,7 @@ def test_accounting_over_one_batch_with_injected_faults(
 
     def account(after: str) -> tuple[set, set]:
         done = {k for k in events if applied(k)}
-        buffered = {k for k in events if k in executor.event_buffer}
+        buffered = {k for k in events if k in buffer_of[k].event_buffer}
         assert not done & buffered, f"{after}: applied and still buffered: {done & buffered}"
         lost = set(events) - done - buffered
         assert not lost, f"{after}: neither applied nor buffered (lost): {lost}"
@@ -571,7 +602,11 @@ def test_accounting_over_one_batch_with_injected_faults(
             killer.remove()
             other_session.rollback()
         assert killer.fired, f"the pass made fewer than {killed_commit} commits"
-        account("pass 1 (faults: flush error, lost connection at a commit, skipped lock)")
+        done, buffered = account("pass 1 (faults: flush error, lost connection at a commit, skipped lock)")
+        if killed_commit == 4:
+            # The second executor's events were taken in the batch's last transaction: it was the
+            # batch's own COMMIT that failed, not a later one of the pass.
+            assert {by_task[t].key for t in of_second} <= buffered, "the batch's own COMMIT did not fail"
 
         runner._run_scheduler_loop()
         done, buffered = account("pass 2 (flush error only)")
