@@ -327,10 +327,10 @@ def test_heartbeat_between_batch_read_and_failure_lock_drops_the_event(
         lock = TI._lock_for_failure_handling
         heartbeats: list[int] = []
 
-        def heartbeat_then_lock(cls, ti_, *, session):
+        def heartbeat_then_lock(cls, ti_, *, session, **kwargs):
             if not heartbeats:  # the live process heartbeats after the batch read, before the lock
                 heartbeats.append(api.heartbeat(ti_.id, **WINNER))
-            return lock(ti_, session=session)
+            return lock(ti_, session=session, **kwargs)
 
         monkeypatch.setattr(TI, "_lock_for_failure_handling", classmethod(heartbeat_then_lock))
         scheduler_pass(runner)
