@@ -102,15 +102,15 @@ def start(api: ExecutionApi, ti_id, *, hostname: str, pid: int) -> httpx.Respons
         )
 
 
-def queued_try(dag_maker, session, runner, dag_id: str) -> TI:
-    """Try 1 of task ``t`` (one retry, callbacks) queued by this scheduler and taken by its executor."""
+def queued_try(dag_maker, session, runner, dag_id: str, *, try_number: int = 1) -> TI:
+    """Try ``try_number`` of task ``t`` (callbacks, a retry left) queued by this scheduler and taken by its executor."""
     with dag_maker(dag_id, session=session):
-        EmptyOperator(task_id="t", retries=1, retry_delay=timedelta(seconds=1), **BOTH_CALLBACKS)
+        EmptyOperator(task_id="t", retries=try_number, retry_delay=timedelta(seconds=1), **BOTH_CALLBACKS)
     dag_run = dag_maker.create_dagrun()
     ti = dag_run.get_task_instance("t", session=session)
     # What _executable_task_instances_to_queued writes, and the executor taking the workload.
     ti.state = "queued"
-    ti.try_number = 1
+    ti.try_number = try_number
     ti.queued_by_job_id = runner.job.id
     ti.queued_dttm = tz.utcnow()
     session.commit()
@@ -381,3 +381,37 @@ def test_held_event_of_try_whose_heartbeat_times_out_is_failed_by_the_scan_once(
     assert callbacks_of_try(ti) == [UP_FOR_RETRY]
     assert mismatch_logs(ti) == 0
     assert runner.executor.event_buffer == {}
+
+
+@pytest.mark.guard
+def test_held_event_survives_a_late_event_of_an_earlier_try(dag_maker, session, api, scheduler_job_runner):
+    """
+    Try 2's only process dies; its FAILED event arrives while its last heartbeat is recent (held with
+    this patch). During the hold the executor reports the exit of try 1's process (a late event of an
+    earlier try of the same task instance). A pass picks one try number per task instance (the last in
+    the buffer): the held event must come back in a later pass, not be discarded with the pass's buffer,
+    so the dead try is still failed once within the hold (3.3.2 fails it in the pass the event arrives).
+    Found by the session's breaker review.
+    """
+    runner = scheduler_job_runner
+    with time_machine.travel(T0, tick=False) as clock:
+        ti = queued_try(dag_maker, session, runner, "held_then_earlier_try_event", try_number=2)
+        assert start(api, ti.id, **WINNER).status_code == 200
+        clock.shift(timedelta(seconds=3))
+        runner.executor.fail(ti.key)  # try 2's process died
+        arrived = tz.utcnow()
+        scheduler_pass(runner)
+
+        clock.shift(LOOP)
+        runner.executor.success(ti.key.with_try_number(1))  # try 1's late exit event
+        scheduler_pass(runner)
+
+        while tz.utcnow() - arrived <= hold_limit() + LOOP and committed_state(ti) == RUNNING:
+            clock.shift(LOOP)
+            scheduler_pass(runner)
+        state = committed_state(ti)
+        assert state == UP_FOR_RETRY, (
+            f"try 2's FAILED event was lost during its hold: {hold_limit() + LOOP} after it arrived the "
+            f"dead try is still {state} (buffer {runner.executor.event_buffer})"
+        )
+    assert callbacks_of_try(ti) == [UP_FOR_RETRY]
