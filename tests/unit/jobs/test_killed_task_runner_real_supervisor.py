@@ -56,6 +56,14 @@ from tests.unit.ti_race import ExecutionApi
 
 pytestmark = pytest.mark.db_test
 
+_supervisor = pytest.importorskip("airflow.sdk.execution_time.supervisor")
+if not hasattr(_supervisor, "supervise_task"):
+    pytest.skip(
+        "this task-sdk has no supervise_task() (task-sdk 1.2.x, the 3.2.2 base's); the module drives a real "
+        "supervisor through it (task-sdk 1.3.x, 3.3.2)",
+        allow_module_level=True,
+    )
+
 P_KILLED = "Request-callbacks-for-tries-whose-task-runner-was-killed-by-a-signal.patch"
 
 QUEUED = TaskInstanceState.QUEUED

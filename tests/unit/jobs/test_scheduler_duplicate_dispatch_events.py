@@ -47,7 +47,7 @@ from tests.unit.api_fastapi.execution_api.versions.head.test_task_instances_unre
     committed_state,
     report,
 )
-from tests.unit.conftest import dialect_locks_rows, failed_event_hold
+from tests.unit.conftest import carries, dialect_locks_rows, failed_event_hold
 from tests.unit.ti_race import ExecutionApi
 
 pytestmark = pytest.mark.db_test
@@ -384,6 +384,7 @@ def test_held_event_of_try_whose_heartbeat_times_out_is_failed_by_the_scan_once(
 
 
 @pytest.mark.guard
+@pytest.mark.skipif(not carries(PATCH), reason=f"{PATCH} is not in this base's queue (run where it is)")
 def test_held_event_survives_a_late_event_of_an_earlier_try(dag_maker, session, api, scheduler_job_runner):
     """
     Try 2's only process dies; its FAILED event arrives while its last heartbeat is recent (held with
