@@ -277,13 +277,18 @@ def test_executor_event_and_heartbeat_purge_one_callback(dag_maker, session, sch
 
 
 @pytest.mark.guard
-def test_stuck_in_queued_one_failure_callback(dag_maker, session, scheduler_job_runner):
-    """Requeue attempts exhausted: the handler fails the try with one failure callback; the executor's
-    FAILED event for it (``executor.fail``) adds none."""
+@pytest.mark.parametrize("retries", [0, 1], ids=["no-retries", "retries-left"])
+def test_stuck_in_queued_one_failure_callback(dag_maker, session, scheduler_job_runner, retries):
+    """
+    Requeue attempts exhausted: the handler fails the try with one failure callback (upstream PR
+    #53435, "Allow failure callbacks for stuck in queued TIs that fail"), also with retries left: it
+    sets FAILED without a retry (upstream PR #43520), so the callback is the failure one, not the retry
+    one. The executor's FAILED event for it (``executor.fail``) adds none.
+    """
     runner = scheduler_job_runner
     runner._num_stuck_queued_retries = 0
     ti = running_try(
-        dag_maker, session, "stuck_in_queued", retries=0, try_number=1, state=QUEUED,
+        dag_maker, session, f"stuck_in_queued_{retries}", retries=retries, try_number=1, state=QUEUED,
         queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
     )  # fmt: skip
     ti = session.get(TI, ti.id)
