@@ -16,7 +16,9 @@ transaction of that state change, under the task instance's row lock:
 * the execution API when the supervisor reports a state the process did not report: not with task-sdk
   1.3.2, whose report does not say so; instead the scheduler, when LocalExecutor's event says a signal
   killed the runner (``tests/unit/jobs/test_scheduler_killed_task_runner_callback.py``); an executor
-  event without the exit code (CeleryExecutor) still leaves such a try without a callback (below);
+  event without the exit code (CeleryExecutor) still leaves such a try without a callback (below), and
+  so does a runner that gave up at start-up (DAG or task not found: exit code 1, on every executor;
+  ``tests/unit/jobs/test_task_runner_startup_failure_real_supervisor.py``);
 * the executor event of a try still running or queued ("killed externally");
 * the heartbeat-timeout purge;
 * the stuck-in-queued handler (failure callback);
