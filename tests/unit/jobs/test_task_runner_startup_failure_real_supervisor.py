@@ -23,7 +23,8 @@ What the tests show (task-sdk 1.3.2): the last try ends FAILED with no callback 
 and a runner whose ``on_failure_callback`` ran and then ended the process with ``sys.exit(1)``
 sends the same report with the same exit code 1: neither the execution API nor the scheduler can
 tell the two apart, so airflow-core cannot request the callback for the first without a second one
-for the second (README, Known limitations).
+for the second (README, Known limitations). Only the supervisor knows the difference (whether the
+runner reported the state to it, ``_terminal_state``); task-sdk 1.3.2 does not send it.
 
 A user marking a running try failed (the UI and the public API's ``PATCH .../taskInstances/{task_id}``
 call ``dag.set_task_instance_state``): no callback, as upstream documents ("Callback functions are
@@ -266,15 +267,35 @@ def test_earlier_try_startup_failure_one_retry_callback(
     assert callbacks_of_try(ti) == [UP_FOR_RETRY]
 
 
+@pytest.fixture
+def terminal_states(monkeypatch) -> list[str | None]:
+    """
+    The state each supervisor's task runner reported to it (``ActivitySubprocess._terminal_state``, set by
+    the runner's ``TaskState`` message), read when the supervisor decides its report to the API.
+    """
+    from airflow.sdk.execution_time.supervisor import ActivitySubprocess
+
+    seen: list[str | None] = []
+    decide = ActivitySubprocess.update_task_state_if_needed
+
+    def recording(self):
+        seen.append(self._terminal_state)
+        return decide(self)
+
+    monkeypatch.setattr(ActivitySubprocess, "update_task_state_if_needed", recording)
+    return seen
+
+
 @pytest.mark.guard
 def test_last_try_callback_that_exits_sends_what_a_startup_failure_sends(
-    dag_maker, session, api, scheduler_job_runner, tmp_path, request, no_startup_reschedules
+    dag_maker, session, api, scheduler_job_runner, tmp_path, request, no_startup_reschedules, terminal_states
 ):
     """
     Why airflow-core cannot close the limitation above: a runner that failed, ran ``on_failure_callback``
     and left the process with ``sys.exit(1)`` from it (``SystemExit`` passes the runner's handlers)
-    sends the same report with the same exit code as a runner that gave up at start-up; only the
-    runner knows whether it ran the callback.
+    sends the same report with the same exit code as a runner that gave up at start-up. The supervisor
+    alone knows the difference, and does not send it: the runner reported ``failed`` to it before it ran
+    its callback (``_terminal_state``), the one that gave up at start-up reported nothing.
     """
     runner = scheduler_job_runner
     startup = run_try(
@@ -290,6 +311,7 @@ def test_last_try_callback_that_exits_sends_what_a_startup_failure_sends(
         [("failed", FINISH_FIELDS)],
         ["on_failure_callback"],
     )
+    assert terminal_states == [None, "failed"]
     executor_event(runner, exited[0], SUCCESS, local_event(exited[1]))
     assert callbacks_of_try(exited[0]) == []
 
