@@ -83,6 +83,9 @@ _MODULE_OF_PATCH = {
     "jobs/test_killed_task_runner_real_supervisor.py": (
         "Request-callbacks-for-tries-whose-task-runner-was-killed-by-a-signal.patch"
     ),
+    "jobs/test_task_runner_startup_failure_real_supervisor.py": (
+        "Request-callbacks-for-tries-whose-task-runner-was-killed-by-a-signal.patch"
+    ),
     "jobs/test_scheduler_failure_listeners_background.py": (
         "Call-on_task_instance_failed-listeners-in-a-background-thread.patch"
     ),

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import signal
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -128,27 +129,38 @@ def api():
 
 
 class RecordingTransport(httpx.BaseTransport):
-    """Passes each request to the in-process execution API and records the state reports."""
+    """
+    Passes each request to the in-process execution API and records the state reports; ``before``,
+    if given, is called with each request before it is passed on (in the supervisor's thread).
+    """
 
-    def __init__(self, inner: httpx.BaseTransport) -> None:
+    def __init__(
+        self, inner: httpx.BaseTransport, before: Callable[[httpx.Request], None] | None = None
+    ) -> None:
         self.inner = inner
+        self.before = before
         self.state_reports: list[dict] = []
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if self.before is not None:
+            self.before(request)
         if request.method == "PATCH" and request.url.path.endswith("/state"):
             self.state_reports.append(json.loads(request.read()))
         return self.inner.handle_request(request)
 
 
-def supervise(api: ExecutionApi, ti, dag_file: str) -> tuple[int, list[dict]]:
+def supervise(
+    api: ExecutionApi, ti, dag_file: str, before: Callable[[httpx.Request], None] | None = None
+) -> tuple[int, list[dict]]:
     """
     task-sdk's ``supervise_task()`` for ``ti`` (queued), as the executors' workers call it, on the
     in-process execution API. Returns the exit code of the task runner and the state reports sent.
+    ``before``: see :class:`RecordingTransport`.
     """
     from airflow.executors.workloads import BundleInfo, ExecuteTask
     from airflow.sdk.execution_time.supervisor import InProcessTestSupervisor, supervise_task
 
-    transport = RecordingTransport(api._transport)
+    transport = RecordingTransport(api._transport, before)
     # The client dag.test() uses for its in-process API (without tenacity's retries), on our transport.
     client = InProcessTestSupervisor._Client(base_url=None, token="", dry_run=True, transport=transport)
     client.base_url = "http://in-process.invalid./"  # type: ignore[assignment]

@@ -16,7 +16,9 @@ transaction of that state change, under the task instance's row lock:
 * the execution API when the supervisor reports a state the process did not report: not with task-sdk
   1.3.2, whose report does not say so; instead the scheduler, when LocalExecutor's event says a signal
   killed the runner (``tests/unit/jobs/test_scheduler_killed_task_runner_callback.py``); an executor
-  event without the exit code (CeleryExecutor) still leaves such a try without a callback (below);
+  event without the exit code (CeleryExecutor) still leaves such a try without a callback (below), and
+  so does a runner that gave up at start-up (DAG or task not found: exit code 1, on every executor;
+  ``tests/unit/jobs/test_task_runner_startup_failure_real_supervisor.py``);
 * the executor event of a try still running or queued ("killed externally");
 * the heartbeat-timeout purge;
 * the stuck-in-queued handler (failure callback);
@@ -277,13 +279,18 @@ def test_executor_event_and_heartbeat_purge_one_callback(dag_maker, session, sch
 
 
 @pytest.mark.guard
-def test_stuck_in_queued_one_failure_callback(dag_maker, session, scheduler_job_runner):
-    """Requeue attempts exhausted: the handler fails the try with one failure callback; the executor's
-    FAILED event for it (``executor.fail``) adds none."""
+@pytest.mark.parametrize("retries", [0, 1], ids=["no-retries", "retries-left"])
+def test_stuck_in_queued_one_failure_callback(dag_maker, session, scheduler_job_runner, retries):
+    """
+    Requeue attempts exhausted: the handler fails the try with one failure callback (upstream PR
+    #53435, "Allow failure callbacks for stuck in queued TIs that fail"), also with retries left: it
+    sets FAILED without a retry (upstream PR #43520), so the callback is the failure one, not the retry
+    one. The executor's FAILED event for it (``executor.fail``) adds none.
+    """
     runner = scheduler_job_runner
     runner._num_stuck_queued_retries = 0
     ti = running_try(
-        dag_maker, session, "stuck_in_queued", retries=0, try_number=1, state=QUEUED,
+        dag_maker, session, f"stuck_in_queued_{retries}", retries=retries, try_number=1, state=QUEUED,
         queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
     )  # fmt: skip
     ti = session.get(TI, ti.id)
