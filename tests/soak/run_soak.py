@@ -492,8 +492,14 @@ class Soak:
                 c.execute(text("DROP TABLE IF EXISTS soak_callback_audit"))
 
     def _install_audit(self) -> None:
-        from sqlalchemy import text
+        from sqlalchemy import inspect, text
 
+        # 3.2+: table `callback` (type, data = {req_class, req_data}); 3.1.x: `callback_request`
+        # (callback_type = the request's class name, callback_data = the request's JSON).
+        if inspect(self.engine).has_table("callback"):
+            table, type_col, data_col = "callback", "type", "data"
+        else:
+            table, type_col, data_col = "callback_request", "callback_type", "callback_data"
         with self.engine.begin() as c:
             if self.args.backend == "postgres":
                 c.execute(
@@ -506,12 +512,13 @@ class Soak:
                     text(
                         "CREATE FUNCTION soak_callback_audit_fn() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
                         " INSERT INTO soak_callback_audit (id, type, data, created_at)"
-                        " VALUES (NEW.id::text, NEW.type, NEW.data::text, NEW.created_at); RETURN NEW; END $$"
+                        f" VALUES (NEW.id::text, NEW.{type_col}, NEW.{data_col}::text, NEW.created_at);"
+                        " RETURN NEW; END $$"
                     )
                 )
                 c.execute(
                     text(
-                        "CREATE TRIGGER soak_callback_audit_trg AFTER INSERT ON callback"
+                        f"CREATE TRIGGER soak_callback_audit_trg AFTER INSERT ON {table}"
                         " FOR EACH ROW EXECUTE FUNCTION soak_callback_audit_fn()"
                     )
                 )
@@ -525,9 +532,9 @@ class Soak:
                 )
                 c.execute(
                     text(
-                        "CREATE TRIGGER soak_callback_audit_trg AFTER INSERT ON callback FOR EACH ROW"
+                        f"CREATE TRIGGER soak_callback_audit_trg AFTER INSERT ON {table} FOR EACH ROW"
                         " INSERT INTO soak_callback_audit (id, type, data, created_at)"
-                        " VALUES (NEW.id, NEW.type, NEW.data, NEW.created_at)"
+                        f" VALUES (NEW.id, NEW.{type_col}, NEW.{data_col}, NEW.created_at)"
                     )
                 )
 
@@ -1153,6 +1160,8 @@ def analyse(soak: Soak) -> dict[str, Any]:
                 data = json.loads(data)
             if isinstance(data, dict) and "__var" in data:  # ExtendedJSON envelope
                 data = data["__var"]
+            if isinstance(data, dict) and "req_class" not in data:  # 3.1.x `callback_request` row
+                data = {"req_class": row["type"], "req_data": data}
             req = data.get("req_data")
             req = json.loads(req) if isinstance(req, str) else (req or {})
         except (ValueError, TypeError, AttributeError):
@@ -2027,11 +2036,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     md = to_markdown(report)
     report_base.parent.mkdir(parents=True, exist_ok=True)
-    report_base.with_suffix(".md").write_text(md)
-    report_base.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+    # not with_suffix(): a name like "3.1.8-postgres-series" has a dot of its own
+    report_md = report_base.with_name(report_base.name + ".md")
+    report_md.write_text(md)
+    report_md.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
     with contextlib.suppress(OSError):
         print(md, flush=True)
-    log(f"report: {report_base.with_suffix('.md')} / .json")
+    log(f"report: {report_md} / .json")
     code = report["exit_code"]
     if code == 0 and not args.keep_home and not args.home:
         shutil.rmtree(soak.home, ignore_errors=True)
