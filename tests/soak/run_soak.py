@@ -104,6 +104,12 @@ EVENT_RE = re.compile(
     r"task_id='([^']*)', run_id='([^']*)', try_number=(\d+), map_index=(-?\d+)\)"
 )
 ACCESS_RE = re.compile(r"request finished\b.*?\bmethod=(\w+).*?\bpath=(\S+).*?\bstatus_code=(\d+)")
+# 3.1.x's api-server logs uvicorn's access line instead (no timestamp): "PATCH /execution/... HTTP/1.1" 409
+UVICORN_ACCESS_RE = re.compile(r'"(\w+) (/\S*) HTTP/[\d.]+" (\d{3})\b')
+
+
+def access_match(line: str) -> re.Match | None:
+    return ACCESS_RE.search(line) or UVICORN_ACCESS_RE.search(line)
 LOG_ISO_RE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)(Z|[+-]\d\d:?\d\d)?")
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 STATE_MISMATCH_RE = re.compile(r"finished with state (\w+), but the task instance's state attribute is (\w+)")
@@ -1507,7 +1513,7 @@ def analyse_tries_and_services(
     api_5xx: collections.Counter[str] = collections.Counter()
     api_requests = 0
     for line in soak.log_text("api-server").splitlines():
-        m = ACCESS_RE.search(line)
+        m = access_match(line)
         if not m:
             continue
         api_requests += 1
@@ -1588,12 +1594,13 @@ def analyse_duplicates(
     after the failure (api-server access log; 409 once the try is no longer running), evidence that the
     process the failure was about was alive.
     """
-    access: list[tuple[float, str, str, int]] = []
+    # ts None: an access line without a timestamp (3.1.x); counted for the 409 of a copy's ti_run
+    # regardless of time (a try's id has one first ti_run), left out of heartbeats_after_failure.
+    access: list[tuple[float | None, str, str, int]] = []
     for line in api_log.splitlines():
-        m = ACCESS_RE.search(line)
-        ts = parse_log_ts(line) if m else None
-        if m and ts is not None:
-            access.append((ts, m.group(1), m.group(2), int(m.group(3))))
+        m = access_match(line)
+        if m:
+            access.append((parse_log_ts(line), m.group(1), m.group(2), int(m.group(3))))
     sent, not_sent, refused, healthy = [], [], 0, []
     for line in sent_lines:
         try:
@@ -1605,7 +1612,7 @@ def analyse_duplicates(
         ti_id = norm_uuid(rec["ti_id"])
         run_path = f"/execution/task-instances/{ti_id}/run"
         refused += any(
-            ts >= rec["ts"] - 1 and method == "PATCH" and path == run_path and status == 409
+            (ts is None or ts >= rec["ts"] - 1) and method == "PATCH" and path == run_path and status == 409
             for ts, method, path, status in access
         )
         if ti_id in faulted_ti_ids:
@@ -1624,7 +1631,11 @@ def analyse_duplicates(
         if not failed_at or state not in ("failed", "up_for_retry"):
             continue
         beat_path = f"/execution/task-instances/{ti_id}/heartbeat"
-        beats = [status for ts, _, path, status in access if path == beat_path and ts > min(failed_at)]
+        beats = [
+            status
+            for ts, _, path, status in access
+            if path == beat_path and ts is not None and ts > min(failed_at)
+        ]
         healthy.append(
             {
                 "try": f"{key[0]}.{key[2]} {key[1]} try {rec['try_number']}",
