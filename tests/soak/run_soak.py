@@ -110,6 +110,8 @@ UVICORN_ACCESS_RE = re.compile(r'"(\w+) (/\S*) HTTP/[\d.]+" (\d{3})\b')
 
 def access_match(line: str) -> re.Match | None:
     return ACCESS_RE.search(line) or UVICORN_ACCESS_RE.search(line)
+
+
 LOG_ISO_RE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)(Z|[+-]\d\d:?\d\d)?")
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 STATE_MISMATCH_RE = re.compile(r"finished with state (\w+), but the task instance's state attribute is (\w+)")
