@@ -104,6 +104,14 @@ EVENT_RE = re.compile(
     r"task_id='([^']*)', run_id='([^']*)', try_number=(\d+), map_index=(-?\d+)\)"
 )
 ACCESS_RE = re.compile(r"request finished\b.*?\bmethod=(\w+).*?\bpath=(\S+).*?\bstatus_code=(\d+)")
+# 3.1.x's api-server logs uvicorn's access line instead (no timestamp): "PATCH /execution/... HTTP/1.1" 409
+UVICORN_ACCESS_RE = re.compile(r'"(\w+) (/\S*) HTTP/[\d.]+" (\d{3})\b')
+
+
+def access_match(line: str) -> re.Match | None:
+    return ACCESS_RE.search(line) or UVICORN_ACCESS_RE.search(line)
+
+
 LOG_ISO_RE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)(Z|[+-]\d\d:?\d\d)?")
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 STATE_MISMATCH_RE = re.compile(r"finished with state (\w+), but the task instance's state attribute is (\w+)")
@@ -492,8 +500,14 @@ class Soak:
                 c.execute(text("DROP TABLE IF EXISTS soak_callback_audit"))
 
     def _install_audit(self) -> None:
-        from sqlalchemy import text
+        from sqlalchemy import inspect, text
 
+        # 3.2+: table `callback` (type, data = {req_class, req_data}); 3.1.x: `callback_request`
+        # (callback_type = the request's class name, callback_data = the request's JSON).
+        if inspect(self.engine).has_table("callback"):
+            table, type_col, data_col = "callback", "type", "data"
+        else:
+            table, type_col, data_col = "callback_request", "callback_type", "callback_data"
         with self.engine.begin() as c:
             if self.args.backend == "postgres":
                 c.execute(
@@ -506,12 +520,13 @@ class Soak:
                     text(
                         "CREATE FUNCTION soak_callback_audit_fn() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
                         " INSERT INTO soak_callback_audit (id, type, data, created_at)"
-                        " VALUES (NEW.id::text, NEW.type, NEW.data::text, NEW.created_at); RETURN NEW; END $$"
+                        f" VALUES (NEW.id::text, NEW.{type_col}, NEW.{data_col}::text, NEW.created_at);"
+                        " RETURN NEW; END $$"
                     )
                 )
                 c.execute(
                     text(
-                        "CREATE TRIGGER soak_callback_audit_trg AFTER INSERT ON callback"
+                        f"CREATE TRIGGER soak_callback_audit_trg AFTER INSERT ON {table}"
                         " FOR EACH ROW EXECUTE FUNCTION soak_callback_audit_fn()"
                     )
                 )
@@ -525,9 +540,9 @@ class Soak:
                 )
                 c.execute(
                     text(
-                        "CREATE TRIGGER soak_callback_audit_trg AFTER INSERT ON callback FOR EACH ROW"
+                        f"CREATE TRIGGER soak_callback_audit_trg AFTER INSERT ON {table} FOR EACH ROW"
                         " INSERT INTO soak_callback_audit (id, type, data, created_at)"
-                        " VALUES (NEW.id, NEW.type, NEW.data, NEW.created_at)"
+                        f" VALUES (NEW.id, NEW.{type_col}, NEW.{data_col}, NEW.created_at)"
                     )
                 )
 
@@ -1153,6 +1168,8 @@ def analyse(soak: Soak) -> dict[str, Any]:
                 data = json.loads(data)
             if isinstance(data, dict) and "__var" in data:  # ExtendedJSON envelope
                 data = data["__var"]
+            if isinstance(data, dict) and "req_class" not in data:  # 3.1.x `callback_request` row
+                data = {"req_class": row["type"], "req_data": data}
             req = data.get("req_data")
             req = json.loads(req) if isinstance(req, str) else (req or {})
         except (ValueError, TypeError, AttributeError):
@@ -1498,7 +1515,7 @@ def analyse_tries_and_services(
     api_5xx: collections.Counter[str] = collections.Counter()
     api_requests = 0
     for line in soak.log_text("api-server").splitlines():
-        m = ACCESS_RE.search(line)
+        m = access_match(line)
         if not m:
             continue
         api_requests += 1
@@ -1579,12 +1596,13 @@ def analyse_duplicates(
     after the failure (api-server access log; 409 once the try is no longer running), evidence that the
     process the failure was about was alive.
     """
-    access: list[tuple[float, str, str, int]] = []
+    # ts None: an access line without a timestamp (3.1.x); counted for the 409 of a copy's ti_run
+    # regardless of time (a try's id has one first ti_run), left out of heartbeats_after_failure.
+    access: list[tuple[float | None, str, str, int]] = []
     for line in api_log.splitlines():
-        m = ACCESS_RE.search(line)
-        ts = parse_log_ts(line) if m else None
-        if m and ts is not None:
-            access.append((ts, m.group(1), m.group(2), int(m.group(3))))
+        m = access_match(line)
+        if m:
+            access.append((parse_log_ts(line), m.group(1), m.group(2), int(m.group(3))))
     sent, not_sent, refused, healthy = [], [], 0, []
     for line in sent_lines:
         try:
@@ -1596,7 +1614,7 @@ def analyse_duplicates(
         ti_id = norm_uuid(rec["ti_id"])
         run_path = f"/execution/task-instances/{ti_id}/run"
         refused += any(
-            ts >= rec["ts"] - 1 and method == "PATCH" and path == run_path and status == 409
+            (ts is None or ts >= rec["ts"] - 1) and method == "PATCH" and path == run_path and status == 409
             for ts, method, path, status in access
         )
         if ti_id in faulted_ti_ids:
@@ -1615,7 +1633,11 @@ def analyse_duplicates(
         if not failed_at or state not in ("failed", "up_for_retry"):
             continue
         beat_path = f"/execution/task-instances/{ti_id}/heartbeat"
-        beats = [status for ts, _, path, status in access if path == beat_path and ts > min(failed_at)]
+        beats = [
+            status
+            for ts, _, path, status in access
+            if path == beat_path and ts is not None and ts > min(failed_at)
+        ]
         healthy.append(
             {
                 "try": f"{key[0]}.{key[2]} {key[1]} try {rec['try_number']}",
@@ -2027,11 +2049,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     md = to_markdown(report)
     report_base.parent.mkdir(parents=True, exist_ok=True)
-    report_base.with_suffix(".md").write_text(md)
-    report_base.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+    # not with_suffix(): a name like "3.1.8-postgres-series" has a dot of its own
+    report_md = report_base.with_name(report_base.name + ".md")
+    report_md.write_text(md)
+    report_md.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
     with contextlib.suppress(OSError):
         print(md, flush=True)
-    log(f"report: {report_base.with_suffix('.md')} / .json")
+    log(f"report: {report_md} / .json")
     code = report["exit_code"]
     if code == 0 and not args.keep_home and not args.home:
         shutil.rmtree(soak.home, ignore_errors=True)

@@ -76,7 +76,7 @@ def _install() -> None:
                 os.unlink(os.path.join(_DIR, name))
             except FileNotFoundError:
                 continue
-            key = workload.key
+            key = workload.ti.key  # ExecuteTask.key does not exist on 3.1.x
             rec = {
                 "ts": time.time(),
                 "ti_id": name,
