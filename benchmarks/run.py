@@ -286,6 +286,33 @@ def concurrent_table(res: dict[str, dict]) -> str:
     )
 
 
+def concurrent_medians(res: dict[str, dict]) -> str:
+    """Median events/s per listener latency and tree, where a variant ran more than once."""
+    rows = []
+    for lat in sorted({r["latency"] for v in res.values() for r in v.get("concurrent", [])}):
+        cells = []
+        for variant in ("base", "series"):
+            rs = [r for r in res.get(variant, {}).get("concurrent", []) if r["latency"] == lat]
+            rate = [r["events_per_s"] for r in rs]
+            cells.append(f"{med(rate):.1f} ({', '.join(f'{x:.1f}' for x in rate)})" if rs else "n/a")
+            cells.append(f"{sum(r['crashes'] for r in rs)} / {sum(r['outcomes'].get('retry_over_reschedule', 0) for r in rs)}")
+        b, s = (med([r["events_per_s"] for r in res.get(v, {}).get("concurrent", []) if r["latency"] == lat]) for v in ("base", "series"))
+        rows.append([f"{lat:g}", *cells, f"{s / b:.2f}" if b == b and s == s and b else "n/a"])
+    if not rows or max(len(v.get("concurrent", [])) for v in res.values()) <= len(rows):
+        return ""
+    return table(
+        [
+            "listener s",
+            "base events/s, median (runs)",
+            "base crashes / lost updates (all runs)",
+            "series events/s, median (runs)",
+            "series crashes / lost updates (all runs)",
+            "ratio series/base",
+        ],
+        rows,
+    )
+
+
 def concurrent_notes(res: dict[str, dict]) -> str:
     lines = []
     for variant in ("base", "series"):
@@ -373,7 +400,13 @@ def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[st
         ),
         f"- project root: `{facts.get('root', '?')}` (its `patches/series` is the series measured)",
         "- each variant ran in its own process after `tree.py checkout`, on a schema freshly reset by "
-        "Airflow (`db.resetdb`), base first",
+        "Airflow (`db.resetdb`), in the order "
+        + f"`{facts.get('variants', 'base,series')}`",
+    ]
+    out += [
+        f"- load average (1/5/15 min) before -> after each {v} worker: " + "; ".join(r["loads"])
+        for v, r in res.items()
+        if r.get("loads")
     ]
     errs = {f"{v}/{k}": e for v, r in res.items() for k, e in r.get("errors", {}).items()}
     if errs:
@@ -414,6 +447,8 @@ def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[st
         "",
         concurrent_table(res),
         "",
+        concurrent_medians(res),
+        "",
         concurrent_notes(res),
         "",
         "## 4. Matrix cost",
@@ -450,6 +485,18 @@ def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[st
     return "\n".join(out)
 
 
+def merge(into: dict, got: dict) -> None:
+    """Add one worker's figures to its variant's: lists (repeats, runs, loads) are appended, so
+    ``--variants base,series,base,series`` alternates the trees and keeps every run's figures."""
+    for k, v in got.items():
+        if isinstance(v, list) and isinstance(into.get(k), list):
+            into[k] += v
+        elif k == "errors" and k in into:
+            into[k].update(v)
+        else:
+            into.setdefault(k, v)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default=os.environ.get("BACKEND", "sqlite"))
@@ -460,7 +507,11 @@ def main() -> int:
     )
     p.add_argument("--repeats", type=int)
     p.add_argument("--sizes", help="purge sizes, e.g. 10,100,500 (default 10,100,500,1000)")
-    p.add_argument("--variants", default="base,series")
+    p.add_argument(
+        "--variants",
+        default="base,series",
+        help="trees in run order; repeat them to alternate, e.g. base,series,base,series (figures merged)",
+    )
     p.add_argument("--slow-listener", type=float, default=10.0, help="benchmark 5: listener seconds")
     p.add_argument("--slow-failures", type=int, default=100, help="benchmark 5: FAILED events in one step")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<backend>.md")
@@ -491,6 +542,7 @@ def main() -> int:
     facts["root"] = str(root)
     facts["series"] = names
     facts["quick"] = args.quick
+    facts["variants"] = args.variants
     res: dict[str, dict] = {}
     checkouts = {"base": "0", "series": "all"}
     try:
@@ -522,10 +574,13 @@ def main() -> int:
                     "--slow-failures",
                     str(args.slow_failures),
                 ]
+                load = "%.2f %.2f %.2f" % os.getloadavg()
                 proc = subprocess.run(cmd)
                 if proc.returncode or not out.is_file():
                     raise SystemExit(f"worker for {variant} failed (exit {proc.returncode})")
-                res[variant] = json.loads(out.read_text())
+                got = json.loads(out.read_text())
+                got["loads"] = [f"{load} -> " + "%.2f %.2f %.2f" % os.getloadavg()]
+                merge(res.setdefault(variant, {}), got)
     finally:
         print(tree_cmd(root, "checkout", "all"), flush=True)
     facts["load_end"] = "%.2f %.2f %.2f" % os.getloadavg()
