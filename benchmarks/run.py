@@ -443,7 +443,12 @@ def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[st
         "a second thread/connection calls the real execution-API route functions `ti_heartbeat` then "
         "`ti_update_state` (reschedule) with SessionDep semantics. A scheduler crash is an exception leaving "
         "`_process_executor_events` (a real scheduler exits); the harness rolls back and carries on. "
-        "Lock waits: row-locking SELECTs slower than 5 ms.",
+        "Lock waits: row-locking SELECTs slower than 5 ms. The TIs' last heartbeat: "
+        + (
+            "older than the heartbeat timeout (`--stale-heartbeats`: the series handles the events at once)."
+            if getattr(args, "stale_heartbeats", False)
+            else "fresh (the series' patch 17 holds a FAILED event of a try with a recent heartbeat)."
+        ),
         "",
         concurrent_table(res),
         "",
@@ -514,6 +519,11 @@ def main() -> int:
     )
     p.add_argument("--slow-listener", type=float, default=10.0, help="benchmark 5: listener seconds")
     p.add_argument("--slow-failures", type=int, default=100, help="benchmark 5: FAILED events in one step")
+    p.add_argument(
+        "--stale-heartbeats",
+        action="store_true",
+        help="benchmark 3: the TIs' last heartbeat is older than the timeout (default: fresh)",
+    )
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<backend>.md")
     p.add_argument(
         "--render", type=Path, metavar="JSON", help="only re-write the tables from a run's raw JSON"
@@ -523,6 +533,7 @@ def main() -> int:
         data = json.loads(args.render.read_text())
         facts, res = data["facts"], data["results"]
         args.quick = facts.get("quick", False)
+        args.stale_heartbeats = facts.get("stale_heartbeats", False)
         names = facts.get("series") or series_names(Path(facts.get("root", HERE.parent)))
         text = report(args.backend, facts, res, args, names)
         dest = args.out or args.render.with_suffix(".md")
@@ -543,6 +554,7 @@ def main() -> int:
     facts["series"] = names
     facts["quick"] = args.quick
     facts["variants"] = args.variants
+    facts["stale_heartbeats"] = args.stale_heartbeats
     res: dict[str, dict] = {}
     checkouts = {"base": "0", "series": "all"}
     try:
@@ -568,6 +580,8 @@ def main() -> int:
                     cmd += ["--repeats", str(args.repeats)]
                 if args.sizes:
                     cmd += ["--sizes", args.sizes]
+                if args.stale_heartbeats:
+                    cmd.append("--stale-heartbeats")
                 cmd += [
                     "--slow-listener",
                     str(args.slow_listener),
