@@ -295,8 +295,13 @@ def concurrent_medians(res: dict[str, dict]) -> str:
             rs = [r for r in res.get(variant, {}).get("concurrent", []) if r["latency"] == lat]
             rate = [r["events_per_s"] for r in rs]
             cells.append(f"{med(rate):.1f} ({', '.join(f'{x:.1f}' for x in rate)})" if rs else "n/a")
-            cells.append(f"{sum(r['crashes'] for r in rs)} / {sum(r['outcomes'].get('retry_over_reschedule', 0) for r in rs)}")
-        b, s = (med([r["events_per_s"] for r in res.get(v, {}).get("concurrent", []) if r["latency"] == lat]) for v in ("base", "series"))
+            cells.append(
+                f"{sum(r['crashes'] for r in rs)} / {sum(r['outcomes'].get('retry_over_reschedule', 0) for r in rs)}"
+            )
+        b, s = (
+            med([r["events_per_s"] for r in res.get(v, {}).get("concurrent", []) if r["latency"] == lat])
+            for v in ("base", "series")
+        )
         rows.append([f"{lat:g}", *cells, f"{s / b:.2f}" if b == b and s == s and b else "n/a"])
     if not rows or max(len(v.get("concurrent", [])) for v in res.values()) <= len(rows):
         return ""
@@ -400,8 +405,7 @@ def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[st
         ),
         f"- project root: `{facts.get('root', '?')}` (its `patches/series` is the series measured)",
         "- each variant ran in its own process after `tree.py checkout`, on a schema freshly reset by "
-        "Airflow (`db.resetdb`), in the order "
-        + f"`{facts.get('variants', 'base,series')}`",
+        "Airflow (`db.resetdb`), in the order " + f"`{facts.get('variants', 'base,series')}`",
     ]
     out += [
         f"- load average (1/5/15 min) before -> after each {v} worker: " + "; ".join(r["loads"])
