@@ -3,7 +3,10 @@
 Statement trace of one ``_process_executor_events`` batch of 10 FAILED executor events for RUNNING
 TIs whose task has callbacks (benchmark 3's shape, without the concurrent API; issue 17, target 2).
 
-    python benchmarks/executor_events_trace.py <project root>   # like purge_trace.py
+    python benchmarks/executor_events_trace.py <project root> [stale]   # like purge_trace.py
+
+The TIs' last heartbeat is fresh, or with ``stale`` older than the heartbeat timeout: the series'
+patch 17 holds FAILED events of tries with a recent heartbeat (then the trace shows only the reads).
 
 Resets the database like worker.py (give it a database of its own).
 """
@@ -27,7 +30,9 @@ runner = H.make_runner()
 with settings.NonScopedSession() as s:
     dag = H.write_dag("trace_events", 10, retries=1, callbacks=True, session=s)
     (dr,) = H.create_runs(dag, 1, session=s)
-    H.set_running(s, (TI.dag_id == dag.dag_id,), job_id=runner.job.id, heartbeat_age_s=0)
+    stale = len(sys.argv) > 2 and sys.argv[2] == "stale"
+    age = runner._task_instance_heartbeat_timeout_secs + 3600 if stale else 0
+    H.set_running(s, (TI.dag_id == dag.dag_id,), job_id=runner.job.id, heartbeat_age_s=age)
     keys = [ti.key for ti in s.scalars(select(TI).where(TI.dag_id == dag.dag_id))]
 settings.Session.remove()
 for key in keys:
