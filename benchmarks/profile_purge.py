@@ -3,7 +3,8 @@
 cProfile of one heartbeat purge pass over N timed-out TIs plus the executor events it produces (as
 benchmark 1 times them), for the tree airflow-core/ is checked out at: wall time, this process's
 CPU time, statements, commits, time in the driver's ``execute`` and the functions with the most own
-time. With ``-`` for OUT.pstats: no profiler (wall and CPU time without its overhead).
+time; on a local PostgreSQL also the CPU time of the server's backends for this database (from
+/proc, backends alive at the end). With ``-`` for OUT.pstats: no profiler (wall and CPU time without its overhead).
 
     python benchmarks/profile_purge.py <project root> N OUT.pstats|-   # with the venv and DSN of a bench session
 
@@ -12,10 +13,12 @@ Resets the database like worker.py (give it a database of its own).
 
 import cProfile
 import io
+import os
 import pstats
 import sys
 import threading
 import time
+from pathlib import Path
 
 sys.path.insert(0, sys.argv[1] + "/benchmarks")
 import worker as W  # noqa: E402  (sets up the environment before airflow is imported)
@@ -26,6 +29,24 @@ from airflow.models.taskinstance import TaskInstance as TI  # noqa: E402
 from airflow.utils.session import create_session  # noqa: E402
 
 n, dump = int(sys.argv[2]), sys.argv[3]
+
+
+def server_cpu() -> float | None:
+    """CPU seconds of the local PostgreSQL server's backends of this database (/proc), else None."""
+    if settings.engine.dialect.name != "postgresql":
+        return None
+    marker, total = f" {settings.engine.url.database} ".encode(), 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if cmd.startswith(b"postgres: ") and marker in cmd:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime + stime
+        except OSError:
+            continue
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 H.reset_schema()
 H.clear_db()
 runner = H.make_runner()
@@ -40,7 +61,7 @@ with settings.NonScopedSession() as s:
 settings.Session.remove()
 prof = cProfile.Profile()
 with H.SqlCounter(settings.engine, threads={threading.get_ident()}) as c:
-    t0, cpu0 = time.perf_counter(), time.process_time()
+    t0, cpu0, server0 = time.perf_counter(), time.process_time(), server_cpu()
     if dump != "-":
         prof.enable()
     runner._find_and_purge_task_instances_without_heartbeats()
@@ -48,9 +69,11 @@ with H.SqlCounter(settings.engine, threads={threading.get_ident()}) as c:
     with create_session() as session:
         runner._process_executor_events(runner.executor, session)
     prof.disable()
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    wall, cpu, server1 = time.perf_counter() - t0, time.process_time() - cpu0, server_cpu()
+server = f", {server1 - server0:.2f} s CPU of its server backends" if server0 is not None else ""
 print(
-    f"N={got}: {wall:.2f} s wall, {cpu:.2f} s CPU of this process, {c.statements} statements, {c.commits} commits"
+    f"N={got}: {wall:.2f} s wall, {cpu:.2f} s CPU of this process{server}, {c.statements} statements, "
+    f"{c.commits} commits"
 )
 if dump == "-":
     sys.exit(0)
