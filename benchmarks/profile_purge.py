@@ -15,6 +15,7 @@ import cProfile
 import io
 import os
 import pstats
+import re
 import sys
 import threading
 import time
@@ -24,6 +25,7 @@ sys.path.insert(0, sys.argv[1] + "/benchmarks")
 import worker as W  # noqa: E402  (sets up the environment before airflow is imported)
 
 H = W.H
+from sqlalchemy import event  # noqa: E402
 from airflow import settings  # noqa: E402
 from airflow.models.taskinstance import TaskInstance as TI  # noqa: E402
 from airflow.utils.session import create_session  # noqa: E402
@@ -60,6 +62,23 @@ with settings.NonScopedSession() as s:
     )  # fmt: skip
 settings.Session.remove()
 prof = cProfile.Profile()
+by_statement: dict[str, list[float]] = {}  # statement (as the trace scripts shorten it) -> [count, seconds]
+started: list[float] = []
+
+
+def before(conn, cursor, statement, parameters, context, executemany):
+    started.append(time.perf_counter())
+
+
+def after(conn, cursor, statement, parameters, context, executemany):
+    key = re.sub(r"SELECT .*? FROM", "SELECT … FROM", " ".join(statement.split()), count=1)[:110]
+    entry = by_statement.setdefault(key, [0, 0.0])
+    entry[0] += 1
+    entry[1] += time.perf_counter() - started.pop()
+
+
+event.listen(settings.engine, "before_cursor_execute", before)
+event.listen(settings.engine, "after_cursor_execute", after)
 with H.SqlCounter(settings.engine, threads={threading.get_ident()}) as c:
     t0, cpu0, server0 = time.perf_counter(), time.process_time(), server_cpu()
     if dump != "-":
@@ -75,6 +94,9 @@ print(
     f"N={got}: {wall:.2f} s wall, {cpu:.2f} s CPU of this process{server}, {c.statements} statements, "
     f"{c.commits} commits"
 )
+print("statement time (driver call, s), top 8:")
+for key, (count, seconds) in sorted(by_statement.items(), key=lambda kv: -kv[1][1])[:8]:
+    print(f"  {seconds:7.2f} {count:5d}  {key}")
 if dump == "-":
     sys.exit(0)
 prof.dump_stats(dump)
