@@ -13,6 +13,7 @@ hooks, and benchmarks are not tests. Keep them in step with the conftest if it c
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import threading
 import time
@@ -234,6 +235,49 @@ class SqlCounter:
 
         for name, fn in self._handlers:
             event.remove(self.engine, name, fn)
+
+
+class StatementRecorder:
+    """
+    The statements and commits one thread (default: the caller's) sends through ``engine``, for the
+    trace scripts: whitespace collapsed, the first select list shortened to ``SELECT … FROM``, cut
+    at ``width`` characters. With ``commit_marker`` a commit is also recorded in ``statements``.
+    """
+
+    def __init__(self, engine, *, width: int, commit_marker: str | None = None, thread: int | None = None):
+        self.engine, self.width, self.commit_marker = engine, width, commit_marker
+        self.thread = threading.get_ident() if thread is None else thread
+        self.statements: list[str] = []
+        self.commits = 0
+
+    def clear(self) -> None:
+        self.statements.clear()
+        self.commits = 0
+
+    def _before(self, conn, cursor, statement, parameters, context, executemany):
+        if threading.get_ident() == self.thread:
+            s = " ".join(statement.split())
+            s = re.sub(r"SELECT .*? FROM", "SELECT … FROM", s, count=1)
+            self.statements.append(s[: self.width])
+
+    def _commit(self, conn):
+        if threading.get_ident() == self.thread:
+            self.commits += 1
+            if self.commit_marker:
+                self.statements.append(self.commit_marker)
+
+    def __enter__(self) -> StatementRecorder:
+        from sqlalchemy import event
+
+        event.listen(self.engine, "before_cursor_execute", self._before)
+        event.listen(self.engine, "commit", self._commit)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from sqlalchemy import event
+
+        event.remove(self.engine, "before_cursor_execute", self._before)
+        event.remove(self.engine, "commit", self._commit)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,15 +10,12 @@ Resets the database like worker.py (give it a database of its own).
 """
 
 import collections
-import re
 import sys
-import threading
 
 sys.path.insert(0, sys.argv[1] + "/benchmarks")
 import worker as W  # noqa: E402  (sets up the environment before airflow is imported)
 
 H = W.H
-from sqlalchemy import event  # noqa: E402
 from airflow import settings  # noqa: E402
 from airflow.models.taskinstance import TaskInstance as TI  # noqa: E402
 from airflow.utils.session import create_session  # noqa: E402
@@ -36,32 +33,14 @@ with settings.NonScopedSession() as s:
         heartbeat_age_s=runner._task_instance_heartbeat_timeout_secs + 3600,
     )
 settings.Session.remove()
-me = threading.get_ident()
-stmts, commits = [], [0]
-
-
-def before(conn, cursor, statement, parameters, context, executemany):
-    if threading.get_ident() == me:
-        s = " ".join(statement.split())
-        s = re.sub(r"SELECT .*? FROM", "SELECT … FROM", s, count=1)
-        stmts.append(s[:140])
-
-
-def on_commit(conn):
-    if threading.get_ident() == me:
-        commits[0] += 1
-
-
-event.listen(settings.engine, "before_cursor_execute", before)
-event.listen(settings.engine, "commit", on_commit)
-runner._find_and_purge_task_instances_without_heartbeats()
-settings.Session.remove()
-purge = (list(stmts), commits[0])
-stmts.clear()
-commits[0] = 0
-with create_session() as session:
-    runner._process_executor_events(runner.executor, session)
-events = (list(stmts), commits[0])
+with H.StatementRecorder(settings.engine, width=140) as rec:
+    runner._find_and_purge_task_instances_without_heartbeats()
+    settings.Session.remove()
+    purge = (list(rec.statements), rec.commits)
+    rec.clear()
+    with create_session() as session:
+        runner._process_executor_events(runner.executor, session)
+    events = (list(rec.statements), rec.commits)
 for name, (ss, c) in (("purge pass", purge), ("its executor events", events)):
     print(f"== {name}: {len(ss)} statements, {c} commits (N=10)")
     for k, v in collections.Counter(ss).most_common():

@@ -286,6 +286,38 @@ def concurrent_table(res: dict[str, dict]) -> str:
     )
 
 
+def concurrent_medians(res: dict[str, dict]) -> str:
+    """Median events/s per listener latency and tree, where a variant ran more than once."""
+    rows = []
+    for lat in sorted({r["latency"] for v in res.values() for r in v.get("concurrent", [])}):
+        cells = []
+        for variant in ("base", "series"):
+            rs = [r for r in res.get(variant, {}).get("concurrent", []) if r["latency"] == lat]
+            rate = [r["events_per_s"] for r in rs]
+            cells.append(f"{med(rate):.1f} ({', '.join(f'{x:.1f}' for x in rate)})" if rs else "n/a")
+            cells.append(
+                f"{sum(r['crashes'] for r in rs)} / {sum(r['outcomes'].get('retry_over_reschedule', 0) for r in rs)}"
+            )
+        b, s = (
+            med([r["events_per_s"] for r in res.get(v, {}).get("concurrent", []) if r["latency"] == lat])
+            for v in ("base", "series")
+        )
+        rows.append([f"{lat:g}", *cells, f"{s / b:.2f}" if b == b and s == s and b else "n/a"])
+    if not rows or max(len(v.get("concurrent", [])) for v in res.values()) <= len(rows):
+        return ""
+    return table(
+        [
+            "listener s",
+            "base events/s, median (runs)",
+            "base crashes / lost updates (all runs)",
+            "series events/s, median (runs)",
+            "series crashes / lost updates (all runs)",
+            "ratio series/base",
+        ],
+        rows,
+    )
+
+
 def concurrent_notes(res: dict[str, dict]) -> str:
     lines = []
     for variant in ("base", "series"):
@@ -373,7 +405,12 @@ def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[st
         ),
         f"- project root: `{facts.get('root', '?')}` (its `patches/series` is the series measured)",
         "- each variant ran in its own process after `tree.py checkout`, on a schema freshly reset by "
-        "Airflow (`db.resetdb`), base first",
+        "Airflow (`db.resetdb`), in the order " + f"`{facts.get('variants', 'base,series')}`",
+    ]
+    out += [
+        f"- load average (1/5/15 min) before -> after each {v} worker: " + "; ".join(r["loads"])
+        for v, r in res.items()
+        if r.get("loads")
     ]
     errs = {f"{v}/{k}": e for v, r in res.items() for k, e in r.get("errors", {}).items()}
     if errs:
@@ -410,9 +447,16 @@ def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[st
         "a second thread/connection calls the real execution-API route functions `ti_heartbeat` then "
         "`ti_update_state` (reschedule) with SessionDep semantics. A scheduler crash is an exception leaving "
         "`_process_executor_events` (a real scheduler exits); the harness rolls back and carries on. "
-        "Lock waits: row-locking SELECTs slower than 5 ms.",
+        "Lock waits: row-locking SELECTs slower than 5 ms. The TIs' last heartbeat: "
+        + (
+            "older than the heartbeat timeout (`--stale-heartbeats`: the series handles the events at once)."
+            if getattr(args, "stale_heartbeats", False)
+            else "fresh (the series' patch 17 holds a FAILED event of a try with a recent heartbeat)."
+        ),
         "",
         concurrent_table(res),
+        "",
+        concurrent_medians(res),
         "",
         concurrent_notes(res),
         "",
@@ -450,6 +494,18 @@ def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[st
     return "\n".join(out)
 
 
+def merge(into: dict, got: dict) -> None:
+    """Add one worker's figures to its variant's: lists (repeats, runs, loads) are appended, so
+    ``--variants base,series,base,series`` alternates the trees and keeps every run's figures."""
+    for k, v in got.items():
+        if isinstance(v, list) and isinstance(into.get(k), list):
+            into[k] += v
+        elif k == "errors" and k in into:
+            into[k].update(v)
+        else:
+            into.setdefault(k, v)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default=os.environ.get("BACKEND", "sqlite"))
@@ -460,9 +516,18 @@ def main() -> int:
     )
     p.add_argument("--repeats", type=int)
     p.add_argument("--sizes", help="purge sizes, e.g. 10,100,500 (default 10,100,500,1000)")
-    p.add_argument("--variants", default="base,series")
+    p.add_argument(
+        "--variants",
+        default="base,series",
+        help="trees in run order; repeat them to alternate, e.g. base,series,base,series (figures merged)",
+    )
     p.add_argument("--slow-listener", type=float, default=10.0, help="benchmark 5: listener seconds")
     p.add_argument("--slow-failures", type=int, default=100, help="benchmark 5: FAILED events in one step")
+    p.add_argument(
+        "--stale-heartbeats",
+        action="store_true",
+        help="benchmark 3: the TIs' last heartbeat is older than the timeout (default: fresh)",
+    )
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<backend>.md")
     p.add_argument(
         "--render", type=Path, metavar="JSON", help="only re-write the tables from a run's raw JSON"
@@ -472,6 +537,7 @@ def main() -> int:
         data = json.loads(args.render.read_text())
         facts, res = data["facts"], data["results"]
         args.quick = facts.get("quick", False)
+        args.stale_heartbeats = facts.get("stale_heartbeats", False)
         names = facts.get("series") or series_names(Path(facts.get("root", HERE.parent)))
         text = report(args.backend, facts, res, args, names)
         dest = args.out or args.render.with_suffix(".md")
@@ -491,6 +557,8 @@ def main() -> int:
     facts["root"] = str(root)
     facts["series"] = names
     facts["quick"] = args.quick
+    facts["variants"] = args.variants
+    facts["stale_heartbeats"] = args.stale_heartbeats
     res: dict[str, dict] = {}
     checkouts = {"base": "0", "series": "all"}
     try:
@@ -516,16 +584,21 @@ def main() -> int:
                     cmd += ["--repeats", str(args.repeats)]
                 if args.sizes:
                     cmd += ["--sizes", args.sizes]
+                if args.stale_heartbeats:
+                    cmd.append("--stale-heartbeats")
                 cmd += [
                     "--slow-listener",
                     str(args.slow_listener),
                     "--slow-failures",
                     str(args.slow_failures),
                 ]
+                load = "%.2f %.2f %.2f" % os.getloadavg()
                 proc = subprocess.run(cmd)
                 if proc.returncode or not out.is_file():
                     raise SystemExit(f"worker for {variant} failed (exit {proc.returncode})")
-                res[variant] = json.loads(out.read_text())
+                got = json.loads(out.read_text())
+                got["loads"] = [f"{load} -> " + "%.2f %.2f %.2f" % os.getloadavg()]
+                merge(res.setdefault(variant, {}), got)
     finally:
         print(tree_cmd(root, "checkout", "all"), flush=True)
     facts["load_end"] = "%.2f %.2f %.2f" % os.getloadavg()
