@@ -17,7 +17,8 @@ Export patches of the series as what upstream pull requests need.
   conftest's ``carries()`` (the export holds the patches its tests need) and what only other tests used.
   Project-only names it uses (fixtures of the project's conftest that upstream's ``tests_common`` does
   not provide, helpers imported from the project's modules) are copied into it, with what they use, so
-  that it runs in upstream's harness; what cannot be copied is reported (``project-only names left``).
+  that it runs in upstream's harness; what cannot be copied is reported (``project-only names left``),
+  so is a definition computing a path from its own ``__file__`` (it would name another place once copied).
 * No newsfragment of its own: a patch that carries one (``airflow-core/newsfragments/``) exports it.
 * ``PR.md`` title and description drafted from the commit message: what and why, upstream status and
   related upstream work (``patches/upstream.toml``), dependencies, tests (and the upstream module each
@@ -441,6 +442,11 @@ class Inliner:
                 same = name in own and ast.dump(own[name]) == ast.dump(node)
                 if taken[name] == "own" and not same:
                     left.append(f"{name} (from {origin.relative_to(self.root)}: the module defines another)")
+                return
+            if any(isinstance(n, ast.Name) and n.id == "__file__" for n in ast.walk(node)):
+                # A path relative to the helper's own file (the project's root, its scripts/ci, its
+                # pyproject.toml) names another place once copied into an upstream test module.
+                left.append(f"{name} (from {origin.relative_to(self.root)}: a path from its __file__)")
                 return
             taken[name] = "def"
             if id(node) in emitted:  # ``A, B = ...`` binds several names: one copy

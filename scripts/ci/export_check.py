@@ -165,6 +165,14 @@ def verdict(row: Row) -> str:
 GOOD = ("ok", "skipped here")
 
 
+def skip_counts(run: Run | None) -> dict[str, int]:
+    """Each skip reason of ``run`` and how many tests gave it, in first-seen order."""
+    counts: dict[str, int] = {}
+    for reason in run.skip_reasons if run else []:
+        counts[reason] = counts.get(reason, 0) + 1
+    return counts
+
+
 def table(rows: list[Row], backend: str) -> str:
     lines = [
         f"| # | patch | test modules exported | project-only names left | git am | without the patch "
@@ -308,6 +316,9 @@ def check(root: Path, export_dir: Path | None, wanted: list[str], work: Path) ->
             row = check_one(repo, e, root)
             rows.append(row)
             print(f"  -> {verdict(row)}", flush=True)
+            for label, run in (("without", row.without), ("with", row.with_)):
+                for reason, n in skip_counts(run).items():
+                    print(f"  skipped {label} the patch: {n} x {reason}", flush=True)
             for label, run in (("without", row.without), ("with", row.with_)):
                 if run and verdict(row) not in GOOD:
                     print(f"  pytest {label} the patch (exit {run.code}):\n{run.tail}", flush=True)

@@ -435,3 +435,47 @@ def test_skipif_on_carries_is_dropped_and_a_tuple_assignment_inlined_once(tmp_pa
     assert "carries" not in text
     assert text.count("FIRST_NAME, SECOND_NAME = _pair()") == 1
     assert "def _pair():" in text
+
+
+PROJECT_FILE = """from __future__ import annotations
+
+import pytest
+
+from tests.unit.conftest import BASE_VERSION
+
+
+@pytest.mark.proves("Mine.patch")
+@pytest.mark.skipif(BASE_VERSION.startswith("3.2."), reason="not on 3.2")
+def test_not_on_32(session):
+    assert True
+"""
+PROJECT_FILE_CONFTEST = """from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _base_version() -> str:
+    return (PROJECT_ROOT / "pyproject.toml").read_text().split()[0]
+
+
+BASE_VERSION = _base_version()
+"""
+
+
+def test_a_helper_computing_a_path_from_its_file_is_a_name_left(tmp_path: Path):
+    """A conftest constant read from the project's files (a path from the conftest's ``__file__``) names
+    another place once copied into the upstream module: reported as left, not inlined as if runnable."""
+    import export
+
+    for pkg in ("tests", "tests/unit"):
+        (tmp_path / pkg).mkdir(exist_ok=True)
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "tests/unit/conftest.py").write_text(PROJECT_FILE_CONFTEST)
+    module = tmp_path / "tests/unit/test_mine.py"
+    module.write_text(PROJECT_FILE)
+    items = [{"cls": None, "func": "test_not_on_32", "proves": "Mine.patch", "indices": {}}]
+    text, found = export.for_upstream(PROJECT_FILE, "Mine.patch", items)
+    assert found
+    text, inlined, left = export.Inliner(tmp_path).inline(text, module, set())
+    assert left == ["PROJECT_ROOT (from tests/unit/conftest.py: a path from its __file__)"]
+    assert "__file__" not in text

@@ -154,3 +154,10 @@ def test_main_refuses_to_run_without_a_database(monkeypatch, capsys):
     monkeypatch.delenv("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", raising=False)
     assert export_check.main(["--export", "x"]) == 2
     assert "nox -s export-check-<db>" in capsys.readouterr().err
+
+
+def test_skip_reasons_are_counted_for_the_log():
+    """A row skipped here is printed with the reason each skipped test gives (and how many gave it)."""
+    run = Run(skipped=3, skip_reasons=["no row lock on sqlite", "other", "no row lock on sqlite"])
+    assert export_check.skip_counts(run) == {"no row lock on sqlite": 2, "other": 1}
+    assert export_check.skip_counts(None) == {}

@@ -17,13 +17,14 @@ from contextlib import contextmanager
 import pytest
 from sqlalchemy import select, text, update
 
+import airflow
 from airflow import settings
 from airflow.models.callback import Callback, CallbackFetchMethod, CallbackKey, ExecutorCallback
 from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance
 from airflow.utils.state import CallbackState, TaskInstanceState
 
-from tests.unit.conftest import BACKEND, BASE_VERSION, callback_key_of, callback_key_uuid, metrics_of
+from tests.unit.conftest import BACKEND, callback_key_of, callback_key_uuid, metrics_of
 from tests.unit.ti_race import Worker, lock_waiters, make_running_tis, read_rows, wait_until
 
 P_CONTAIN = "Keep-the-scheduler-running-when-one-executor-event-fails-in-the-DB.patch"
@@ -506,7 +507,9 @@ def second_executor(runner):
     from tests.unit.conftest import RecordingExecutor
 
     executor = RecordingExecutor()
-    executor.name = ExecutorName(module_path="tests.unit.conftest.RecordingExecutor", alias="second")
+    executor.name = ExecutorName(
+        module_path=f"{RecordingExecutor.__module__}.RecordingExecutor", alias="second"
+    )
     executor.job_id = runner.job.id
     executor.callback_sink = DatabaseCallbackSink()
     executor.start()
@@ -628,7 +631,7 @@ def test_sqlite_rollback_of_the_batch_puts_back_the_events_taken_in_it(
             f"{backend}: one savepoint per event, the rest of the batch is kept "
             "(test_flush_error_undoes_only_the_failing_event)"
         )
-    if BASE_VERSION.startswith("3.2."):
+    if airflow.__version__.startswith("3.2."):
         pytest.skip(
             "3.2.x on SQLite cannot apply a callback's executor event: session.get(Callback, key) with the "
             "str key its executors send fails in SQLAlchemy's Uuid bind (no native UUID column; fixed "
@@ -754,7 +757,7 @@ def test_given_up_event_stays_dropped_when_its_transaction_rolls_back(
 @pytest.mark.proves(P_KEEP)
 @pytest.mark.backend("postgres", "mysql")
 @pytest.mark.skipif(
-    BASE_VERSION.startswith("3.2."),
+    airflow.__version__.startswith("3.2."),
     reason="the 3.2.2 queue keeps the earlier shape of this patch: its failure handling waits for the row "
     "lock (the issue-17 change, 2026-12-01, is not ported to 3.2.2 yet)",
 )
