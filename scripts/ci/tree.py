@@ -10,7 +10,8 @@ Commands (run from anywhere; ``--root`` is the project root, default: this file'
 * ``prepare``   download the sdist (pip, package index only), check its sha256, unpack it in upstream
   layout and ``git am`` the series. Idempotent: a tree already built from the same sdist and series is
   left alone. A tree with work not yet written back (commits above the series, or uncommitted edits)
-  is refused, never overwritten. On any error the previous ``airflow-core/`` is left exactly as it was.
+  is refused, never overwritten; so is a tree with a rebase/am/cherry-pick/merge in
+  progress (``checkout`` too). On any error the previous ``airflow-core/`` is left exactly as it was.
 * ``checkout K`` put the tree at base + the first K patches (``all`` for the whole series); cheap, the
   editable install follows the working tree.
 * ``refresh``   rewrite ``patches/`` and ``patches/series`` from the commits ``base..HEAD``. HEAD must be
@@ -305,8 +306,33 @@ def stamp_of(cfg: dict[str, str], patches: list[Path]) -> str:
     return h.hexdigest()
 
 
+IN_PROGRESS = {
+    "rebase-merge": ("a rebase", "rebase"),
+    "rebase-apply": ("a rebase or `git am`", "rebase"),
+    "CHERRY_PICK_HEAD": ("a cherry-pick", "cherry-pick"),
+    "MERGE_HEAD": ("a merge", "merge"),
+    "REVERT_HEAD": ("a revert", "revert"),
+}
+
+
+def in_progress(tree: Path) -> str | None:
+    """Return "<a rebase> is in progress ... (finish or abort it)" if git is in the middle of one, or None."""
+    for name, (what, cmd) in IN_PROGRESS.items():
+        if (tree / ".git" / name).exists():
+            return (
+                f"{what} is in progress in {tree.name}/: finish it (`git {cmd} --continue`) or abort it "
+                f"(`git {cmd} --abort`) first"
+            )
+    return None
+
+
 def pending_work(tree: Path) -> str | None:
-    """Return why ``tree`` holds work that ``refresh`` has not written back, or None."""
+    """Return why ``tree`` holds work that ``refresh`` has not written back, or None.
+
+    A rebase/am/cherry-pick/merge in progress counts: moving HEAD under it would break it.
+    """
+    if why := in_progress(tree):
+        return why
     if git(tree, "status", "--porcelain", "--untracked-files=no").stdout.strip():
         return "it has uncommitted changes"
     if git(tree, "rev-parse", "-q", "--verify", "series", check=False).returncode:
@@ -423,6 +449,8 @@ def prepare(root: Path) -> str:
             if (stale / TEMP_MARK).is_file():
                 shutil.rmtree(stale, ignore_errors=True)
         if tree.exists() or tree.is_symlink():
+            if (tree / ".git" / STAMP).is_file() and (why := in_progress(tree)):
+                raise TreeError(f"{name} not touched: {why}")
             stamp = tree / ".git" / STAMP
             if stamp.is_file() and stamp.read_text() == stamp_of(cfg, patches) and not pending_work(tree):
                 git(tree, "checkout", "-q", "series")
@@ -431,7 +459,7 @@ def prepare(root: Path) -> str:
             if lost:
                 raise TreeError(
                     f"{name} not rebuilt, it holds what a rebuild would lose: {'; '.join(lost)}. To keep "
-                    f"commits: `nox -s refresh`; to keep the rest, move it out of {name}; to drop it all: "
+                    f"changes and commits: commit them in {name} and run `nox -s refresh`; to keep the rest, move it out of {name}; to drop it all: "
                     f"`rm -rf {tree.name}` (it is generated; the sdist is cached)"
                 )
         work = Path(tempfile.mkdtemp(prefix=f"{tree.name}.", dir=root))
@@ -462,15 +490,6 @@ def checkout(root: Path, k: str) -> str:
     return f"{tree.name}/ at base + {k} of {n} patch(es)"
 
 
-IN_PROGRESS = {
-    "rebase-merge": ("a rebase", "rebase"),
-    "rebase-apply": ("a rebase or `git am`", "rebase"),
-    "CHERRY_PICK_HEAD": ("a cherry-pick", "cherry-pick"),
-    "MERGE_HEAD": ("a merge", "merge"),
-    "REVERT_HEAD": ("a revert", "revert"),
-}
-
-
 def refresh(root: Path) -> str:
     tree = core_dir(root)
     if not (tree / ".git" / STAMP).is_file():
@@ -482,12 +501,8 @@ def refresh(root: Path) -> str:
 
 
 def _refresh(root: Path, tree: Path) -> str:
-    for name, (what, cmd) in IN_PROGRESS.items():
-        if (tree / ".git" / name).exists():
-            raise TreeError(
-                f"{what} is in progress in airflow-core/: finish it (`git {cmd} --continue`) or abort it "
-                f"(`git {cmd} --abort`), then refresh"
-            )
+    if why := in_progress(tree):
+        raise TreeError(f"{why}, then refresh")
     if git(tree, "status", "--porcelain", "--untracked-files=no").stdout.strip():
         raise TreeError("airflow-core/ has uncommitted changes: commit them first (one commit per patch)")
     if git(tree, "merge-base", "--is-ancestor", "series", "HEAD", check=False).returncode:

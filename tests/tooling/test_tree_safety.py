@@ -122,6 +122,25 @@ def test_refresh_refuses_during_a_rebase_and_the_rebase_can_continue(project: Pa
     assert "Flush-the-callback-row-at-once.patch" in (project / "patches" / "series").read_text()
 
 
+@pytest.mark.parametrize("command", [["prepare"], ["checkout", "0"]])
+def test_prepare_and_checkout_refuse_during_a_rebase_and_the_rebase_can_continue(project: Path, command):
+    # Stopped at `edit` with nothing changed yet: no uncommitted change, no commit above the series; moving
+    # HEAD to the series here (as prepare did) made `git rebase --continue` re-apply patches onto themselves.
+    core = project / "airflow-core"
+    editor = {"GIT_SEQUENCE_EDITOR": "sed -i '2s/^pick/edit/'"}
+    assert git(core, "rebase", "-i", "base", env={**os.environ, **editor}).returncode == 0
+    head = git(core, "rev-parse", "HEAD").stdout
+    proc = tree(project, *command)
+    one_line_error(proc, "a rebase is in progress in airflow-core/", "git rebase --continue")
+    assert git(core, "rev-parse", "HEAD").stdout == head
+    assert (core / ".git" / "rebase-merge").is_dir()
+    git(core, "commit", "-q", "--amend", "-m", message("Give the callback row weight 2 at once"))
+    done = git(core, "rebase", "--continue", env={**os.environ, "GIT_EDITOR": "true"})
+    assert done.returncode == 0, done.stderr
+    assert tree(project, "refresh").returncode == 0
+    assert "Give-the-callback-row-weight-2-at-once.patch" in (project / "patches" / "series").read_text()
+
+
 def test_refresh_never_deletes_a_file_that_is_not_a_patch_of_the_series(project: Path):
     (project / "patches" / "my-draft.patch").write_text("not in the series yet\n")
     core = project / "airflow-core"
