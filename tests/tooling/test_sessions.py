@@ -173,3 +173,37 @@ def test_sighup_stops_the_session_its_server_and_removes_its_folders():
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_ctrl_c_during_verify_series_puts_the_tree_back_and_says_so():
+    """Ctrl-C (SIGINT to the terminal's process group) during a verify-series step: a message, no traceback,
+    airflow-core/ back at the full series and clean, so a rerun starts from there."""
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "BACKEND")
+    }
+    proc = subprocess.Popen([NOX, "-f", str(ROOT / "noxfile.py"), "-s", "verify-series-sqlite"], cwd=ROOT,
+                            env=clean, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        log = []
+        for line in proc.stdout:  # until the first step's pytest runs (base + 0 patches)
+            log.append(line)
+            if line.startswith("[1/"):
+                break
+        assert log and log[-1].startswith("[1/"), "".join(log)
+        time.sleep(3)  # let the step's pytest start; any moment of the step must do
+        os.killpg(proc.pid, signal.SIGINT)
+        out = "".join(log) + proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "verify_series.py: interrupted; no verdict" in out, out
+    assert "Traceback" not in out, out
+    core = ROOT / "airflow-core"
+    head = subprocess.run(
+        ["git", "-C", str(core), "rev-parse", "HEAD", "series"], capture_output=True, text=True
+    )
+    assert len(set(head.stdout.split())) == 1, head.stdout
+    status = subprocess.run(["git", "-C", str(core), "status", "--porcelain"], capture_output=True, text=True)
+    assert status.stdout == ""
