@@ -57,6 +57,7 @@ series' areas (IntegrityError/ForeignKeyViolation on task_reschedule and other r
 handling) or a try with more than one failure/retry callback (``--strict`` adds every other finding);
 2 the soak itself failed (setup, orphans left); 3 no series finding, but the scheduler exited for a
 reason outside the series' areas (e.g. MariaDB-only SQL Airflow does not support) -- not a pass.
+A database holding Airflow data is refused unless ``DB_RESET=true``.
 
 sqlite is refused: Airflow documents SQLite as a development backend without concurrent writers, and
 this deployment has scheduler, api-server, dag-processor and task processes writing at once; a soak
@@ -89,6 +90,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1] / "scripts" / "ci"))
+import dbserver  # noqa: E402  (masked DSN, the Airflow-data check of the test sessions)
+
 AIRFLOW = Path(sys.executable).parent / "airflow"
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
@@ -473,6 +477,14 @@ class Soak:
         from sqlalchemy import create_engine
 
         self.engine = create_engine(self.args.dsn, pool_pre_ping=True, pool_size=2)
+        # The DSN comes from the environment, where an operator's own Airflow may have put it: a database
+        # holding Airflow data is wiped only when DB_RESET=true says so (the rule of the test sessions).
+        with self.engine.connect() as conn:
+            held = dbserver.airflow_data(conn)
+        if held and os.environ.get("DB_RESET", "").lower() != "true":
+            raise SoakError(
+                f"{dbserver.masked(self.args.dsn)}: {dbserver.refusal(held)}; nothing was changed"
+            )
         self._drop_audit()
         log(f"home {self.home}; resetting database (airflow db reset -y) ...")
         t = time.monotonic()

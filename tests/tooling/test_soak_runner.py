@@ -230,3 +230,26 @@ def test_healthy_tries_failed_by_a_duplicate_dispatch():
             "heartbeats_after_failure": {409: 1},
         }
     ]
+
+
+def test_database_holding_airflow_data_is_not_wiped(tmp_path, monkeypatch):
+    """The DSN is read from the environment, where an operator's Airflow may have left it: refused."""
+    import types
+
+    from sqlalchemy import create_engine, text
+
+    dsn = f"sqlite:///{tmp_path / 'prod.db'}"
+    engine = create_engine(dsn)
+    with engine.begin() as conn:  # not Airflow's schema: the one table the check reads, with a row
+        conn.execute(text("CREATE TABLE dag (dag_id VARCHAR(250) PRIMARY KEY)"))
+        conn.execute(text("INSERT INTO dag VALUES ('prod')"))
+    monkeypatch.delenv("DB_RESET", raising=False)
+    soak = run_soak.Soak.__new__(run_soak.Soak)
+    soak.args = types.SimpleNamespace(dsn=dsn)
+    soak.home, soak.duplicates = tmp_path / "home", False
+    soak.callback_file, soak.listener_file = tmp_path / "callbacks.jsonl", tmp_path / "listener.jsonl"
+    with pytest.raises(run_soak.SoakError, match=r"holds Airflow data \(rows in dag\).*nothing was changed"):
+        soak.setup()
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT dag_id FROM dag")).scalars().all() == ["prod"]
+    engine.dispose()
