@@ -57,7 +57,8 @@ series' areas (IntegrityError/ForeignKeyViolation on task_reschedule and other r
 handling) or a try with more than one failure/retry callback (``--strict`` adds every other finding);
 2 the soak itself failed (setup, orphans left); 3 no series finding, but the scheduler exited for a
 reason outside the series' areas (e.g. MariaDB-only SQL Airflow does not support) -- not a pass.
-A database holding Airflow data is refused unless ``DB_RESET=true``.
+A database holding Airflow data is refused unless ``DB_RESET=true``; an existing report is never
+overwritten.
 
 sqlite is refused: Airflow documents SQLite as a development backend without concurrent writers, and
 this deployment has scheduler, api-server, dag-processor and task processes writing at once; a soak
@@ -1954,6 +1955,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    report_base = Path(args.report)
+    if report_base.suffix in (".md", ".json"):
+        report_base = report_base.with_suffix("")
+    reports = (report_base.with_suffix(".md"), report_base.with_suffix(".json"))
+    if existing := [str(f) for f in reports if f.exists()]:
+        print(
+            f"soak: {' and '.join(existing)} exists: not overwritten; give another --report", file=sys.stderr
+        )
+        return 2
     if args.listener_sleep is None:
         args.listener_sleep = 5.0 if args.listener == "slow" else 0.0
     needs = {"celery": args.executor == "celery", "openlineage": args.listener == "openlineage"}
@@ -2004,9 +2014,6 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)  # also when started in the background (SIGINT ignored)
     signal.signal(signal.SIGHUP, on_signal)  # the terminal went away: stop everything all the same
-    report_base = Path(args.report)
-    if report_base.suffix in (".md", ".json"):
-        report_base = report_base.with_suffix("")
     code = 2
     try:
         soak.setup()
@@ -2039,8 +2046,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     md = to_markdown(report)
     report_base.parent.mkdir(parents=True, exist_ok=True)
-    report_base.with_suffix(".md").write_text(md)
-    report_base.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+    try:  # "x": a report that appeared while the soak ran (another run, same --report) is kept
+        with report_base.with_suffix(".md").open("x") as f:
+            f.write(md)
+        with report_base.with_suffix(".json").open("x") as f:
+            f.write(json.dumps(report, indent=2, default=str))
+    except FileExistsError as e:
+        print(md, flush=True)
+        log(f"{e.filename} appeared while the soak ran: not overwritten; the report is printed above only")
+        return max(report["exit_code"], 2)
     with contextlib.suppress(OSError):
         print(md, flush=True)
     log(f"report: {report_base.with_suffix('.md')} / .json")

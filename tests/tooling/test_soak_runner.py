@@ -232,6 +232,25 @@ def test_healthy_tries_failed_by_a_duplicate_dispatch():
     ]
 
 
+def test_existing_report_is_not_overwritten(tmp_path):
+    import os
+    import subprocess
+
+    report = tmp_path / "postgres-series"
+    (tmp_path / "postgres-series.md").write_text("an earlier run\n")
+    proc = subprocess.run(
+        [sys.executable, str(Path(run_soak.__file__)), "--backend", "postgres", "--report", str(report)],
+        env={**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "postgresql://u:secret@127.0.0.1:1/db"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert f"soak: {tmp_path / 'postgres-series.md'} exists: not overwritten" in proc.stderr
+    assert (tmp_path / "postgres-series.md").read_text() == "an earlier run\n"
+    assert "secret" not in proc.stdout + proc.stderr
+
+
 def test_database_holding_airflow_data_is_not_wiped(tmp_path, monkeypatch):
     """The DSN is read from the environment, where an operator's Airflow may have left it: refused."""
     import types
