@@ -232,6 +232,45 @@ def test_healthy_tries_failed_by_a_duplicate_dispatch():
     ]
 
 
+def report_of(code: int, **fields) -> dict:
+    """A run_soak report's fields that exit_status reads."""
+    report = {
+        "exit_code": code,
+        "verdict": "FAIL (series areas)" if code == 1 else "PASS",
+        "scheduler_exits": [{"category": "series"}] if code == 1 else [],
+        "scheduler_exits_series": 1 if code == 1 else 0,
+        "scheduler_exits_outside": 0,
+        "other_component_exits": [],
+        "ti_states": {"success": 5},
+        "orphans_left": [],
+        "interrupted": False,
+    }
+    return {**report, **fields}
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, 0),  # only the races the series fixes: what the pristine release is expected to show
+        ({"scheduler_exits_outside": 1}, 1),  # a crash outside the series' areas is not hidden by them
+        ({"other_component_exits": [{"component": "api-server"}]}, 1),
+        ({"ti_states": {"failed": 3}}, 1),  # the deployment did not work
+        ({"orphans_left": [{"pid": 1}]}, 1),
+        ({"interrupted": True, "exit_code": 2}, 2),
+    ],
+)
+def test_expected_races_of_the_base_pass_only_without_other_exits(fields, expected):
+    code, why = run_soak.exit_status(report_of(1, **fields), expect_races=True)
+    assert code == expected, why
+    assert why.startswith(f"exit {expected}")
+    assert "scheduler exits" in why and "other component exits" in why
+
+
+def test_findings_are_not_expected_without_the_option():
+    assert run_soak.exit_status(report_of(1), expect_races=False)[0] == 1
+    assert run_soak.exit_status(report_of(0), expect_races=True)[0] == 0
+
+
 def test_existing_report_is_not_overwritten(tmp_path):
     import os
     import subprocess
