@@ -112,6 +112,26 @@ def test_dsn_is_ignored_unless_backend_names_the_session(given, backend):
     assert connections(engine) == ["prod_db"]
 
 
+def test_password_in_the_query_string_is_never_printed():
+    """libpq and SQLAlchemy take ``?password=`` too; pytest's header showed it (hide_password masks the
+    URL's password only)."""
+    if not any(Path("/usr/lib/postgresql").glob("*/bin/initdb")):
+        pytest.skip("needs the postgresql package")
+    with dbserver.throwaway("postgres") as dsn:
+        proc = nox(
+            "-s",
+            "tests-postgres",
+            "--",
+            ONE_TEST,
+            AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"{dsn}?password={SECRET}",
+            BACKEND="postgres",
+        )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "backend postgres: postgresql+psycopg2://postgres@127.0.0.1:" in out  # the header is there
+    assert SECRET not in out
+
+
 def test_second_session_does_not_move_the_tree_while_one_holds_it():
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, tree; from pathlib import Path\n"
