@@ -493,6 +493,7 @@ def main() -> int:
     facts["quick"] = args.quick
     res: dict[str, dict] = {}
     checkouts = {"base": "0", "series": "all"}
+    env = dict(os.environ)
     try:
         with tempfile.TemporaryDirectory(prefix="airflow-bench.") as tmp:
             for variant in args.variants.split(","):
@@ -522,10 +523,13 @@ def main() -> int:
                     "--slow-failures",
                     str(args.slow_failures),
                 ]
-                proc = subprocess.run(cmd)
+                proc = subprocess.run(cmd, env=env)
                 if proc.returncode or not out.is_file():
                     raise SystemExit(f"worker for {variant} failed (exit {proc.returncode})")
                 res[variant] = json.loads(out.read_text())
+                # The first worker checked the database (no Airflow data, or DB_RESET=true): the later
+                # ones reset what the benchmark itself wrote.
+                env["DB_RESET"] = "true"
     finally:
         print(tree_cmd(root, "checkout", "all"), flush=True)
     facts["load_end"] = "%.2f %.2f %.2f" % os.getloadavg()

@@ -227,3 +227,28 @@ def test_ctrl_c_during_verify_series_puts_the_tree_back_and_says_so():
     assert len(set(head.stdout.split())) == 1, head.stdout
     status = subprocess.run(["git", "-C", str(core), "status", "--porcelain"], capture_output=True, text=True)
     assert status.stdout == ""
+
+
+def test_benchmark_run_directly_refuses_a_database_holding_airflow_data(tmp_path):
+    """benchmarks/ reset the database of AIRFLOW__DATABASE__SQL_ALCHEMY_CONN, where an operator's Airflow may
+    have put it: one holding Airflow data is refused unless DB_RESET=true (the rule of the test sessions)."""
+    from sqlalchemy import create_engine, text
+
+    python = ROOT / ".nox" / "tests-sqlite" / "bin" / "python"
+    if not python.exists():  # the venv of tests-sqlite: the patched tree, airflow importable
+        assert nox("-s", "tests-sqlite", "--", ONE_TEST).returncode == 0
+    dsn = f"sqlite:///{tmp_path / 'prod.db'}"
+    engine = create_engine(dsn)
+    with engine.begin() as conn:  # not Airflow's schema: the one table the check reads, with a row
+        conn.execute(text("CREATE TABLE dag (dag_id VARCHAR(250) PRIMARY KEY)"))
+        conn.execute(text("INSERT INTO dag VALUES ('prod')"))
+    env = {k: v for k, v in os.environ.items() if k not in ("DB_RESET", "VIRTUAL_ENV", "BACKEND")}
+    env.update({"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": dsn, "AIRFLOW_HOME": str(tmp_path / "home")})
+    proc = subprocess.run([str(python), "benchmarks/purge_trace.py", str(ROOT)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "holds Airflow data (rows in dag): refusing to reset it" in out, out
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT dag_id FROM dag")).scalars().all() == ["prod"]
+    engine.dispose()
