@@ -15,7 +15,8 @@ Commands (run from anywhere; ``--root`` is the project root, default: this file'
 * ``checkout K`` put the tree at base + the first K patches (``all`` for the whole series); cheap, the
   editable install follows the working tree.
 * ``refresh``   rewrite ``patches/`` and ``patches/series`` from the commits ``base..HEAD``. HEAD must be
-  the tip of branch ``series`` or above it, with no rebase/am/cherry-pick/merge in progress; the comment
+  the tip of branch ``series`` or above it, with no rebase/am/cherry-pick/merge in progress, and
+  ``patches/`` must be what the tree was built (or last refreshed) from; the comment
   lines of ``patches/series`` are kept and only the files of the old series are replaced or removed.
 
 A rebuild refuses to drop anything the tree holds beyond the series (uncommitted or untracked files,
@@ -503,6 +504,18 @@ def refresh(root: Path) -> str:
 def _refresh(root: Path, tree: Path) -> str:
     if why := in_progress(tree):
         raise TreeError(f"{why}, then refresh")
+    queue = patches_dir(root).relative_to(root)
+    try:
+        current = stamp_of(base_config(root), series(root))
+    except TreeError:
+        current = None  # a patch file of the series is missing or unreadable: changed too
+    if (tree / ".git" / STAMP).read_text() != current:
+        raise TreeError(
+            f"{queue}/ changed since {tree.name}/ was built from it (a patch edited, added or removed, or "
+            f"a pull): refresh would overwrite that with {tree.name}/'s patches; to keep the change, "
+            f"`nox -s prepare` rebuilds {tree.name}/ from {queue}/ (save work in {tree.name}/ first); to drop "
+            f"it, `git checkout {queue}/`"
+        )
     if git(tree, "status", "--porcelain", "--untracked-files=no").stdout.strip():
         raise TreeError("airflow-core/ has uncommitted changes: commit them first (one commit per patch)")
     if git(tree, "merge-base", "--is-ancestor", "series", "HEAD", check=False).returncode:

@@ -141,6 +141,24 @@ def test_prepare_and_checkout_refuse_during_a_rebase_and_the_rebase_can_continue
     assert "Give-the-callback-row-weight-2-at-once.patch" in (project / "patches" / "series").read_text()
 
 
+@pytest.mark.parametrize("change", ["edit", "pull"])
+def test_refresh_refuses_to_overwrite_patches_changed_since_the_tree_was_built(project: Path, change):
+    # A patch edited by hand in patches/ (or a pulled series) after airflow-core/ was built: refresh writes
+    # the tree's older patches back over it. It must refuse and leave patches/ alone.
+    queue = project / "patches"
+    first = (project / "patches" / "series").read_text().splitlines()[2]
+    patch = queue / first
+    if change == "edit":
+        patch.write_text(patch.read_text().replace("Subject: [PATCH] Flush", "Subject: [PATCH] Flush now"))
+    else:
+        series = queue / "series"
+        series.write_text("\n".join(series.read_text().splitlines()[:-1]) + "\n")
+    before = patches_state(project)
+    proc = tree(project, "refresh")
+    one_line_error(proc, "patches/ changed since airflow-core/ was built from it")
+    assert patches_state(project) == before
+
+
 def test_refresh_never_deletes_a_file_that_is_not_a_patch_of_the_series(project: Path):
     (project / "patches" / "my-draft.patch").write_text("not in the series yet\n")
     core = project / "airflow-core"
