@@ -504,17 +504,17 @@ def refresh(root: Path) -> str:
 def _refresh(root: Path, tree: Path) -> str:
     if why := in_progress(tree):
         raise TreeError(f"{why}, then refresh")
-    queue = patches_dir(root).relative_to(root)
+    rel = patches_dir(root).relative_to(root)
     try:
         current = stamp_of(base_config(root), series(root))
     except TreeError:
         current = None  # a patch file of the series is missing or unreadable: changed too
     if (tree / ".git" / STAMP).read_text() != current:
         raise TreeError(
-            f"{queue}/ changed since {tree.name}/ was built from it (a patch edited, added or removed, or "
+            f"{rel}/ changed since {tree.name}/ was built from it (a patch edited, added or removed, or "
             f"a pull): refresh would overwrite that with {tree.name}/'s patches; to keep the change, "
-            f"`nox -s prepare` rebuilds {tree.name}/ from {queue}/ (save work in {tree.name}/ first); to drop "
-            f"it, `git checkout {queue}/`"
+            f"`nox -s prepare` rebuilds {tree.name}/ from {rel}/ (save work in {tree.name}/ first); to drop "
+            f"it, `git checkout {rel}/`"
         )
     if git(tree, "status", "--porcelain", "--untracked-files=no").stdout.strip():
         raise TreeError("airflow-core/ has uncommitted changes: commit them first (one commit per patch)")
@@ -548,17 +548,31 @@ def _refresh(root: Path, tree: Path) -> str:
                     f"{queue.relative_to(root)}/{name} exists and is not in its series: move it away, then refresh"
                 )
             names.append(name)
-        for f, name in zip(sorted(out.glob("*.patch")), names):
-            os.replace(f, queue / name)
+        # From the first patch replaced to the stamp: all or nothing for Ctrl-C/SIGTERM/SIGHUP (held until
+        # the end), so that an interrupted refresh never leaves patches/ half-rewritten.
+        with signals_held():
+            for f, name in zip(sorted(out.glob("*.patch")), names):
+                os.replace(f, queue / name)
+            for name in set(old) - set(names):  # only patches of the old series
+                (queue / name).unlink(missing_ok=True)
+            write_series(queue / "series", names)
+            git(tree, "checkout", "-q", "-B", "series", "HEAD")
+            (tree / ".git" / STAMP).write_text(stamp_of(base_config(root), series(root)))
+            (tree / ".git" / STAMP_HEAD).write_text(git(tree, "rev-parse", "HEAD").stdout)
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    for name in set(old) - set(names):  # only patches of the old series
-        (queue / name).unlink(missing_ok=True)
-    write_series(queue / "series", names)
-    git(tree, "checkout", "-q", "-B", "series", "HEAD")
-    (tree / ".git" / STAMP).write_text(stamp_of(base_config(root), series(root)))
-    (tree / ".git" / STAMP_HEAD).write_text(git(tree, "rev-parse", "HEAD").stdout)
     return f"{queue.relative_to(root)}/ rewritten from {tree.name}/ ({cfg_version(root)}): {len(names)} patch(es)"
+
+
+@contextlib.contextmanager
+def signals_held():
+    """Hold SIGINT, SIGTERM and SIGHUP (also for the commands started meanwhile); deliver them afterwards."""
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def write_series(path: Path, names: list[str]) -> None:

@@ -159,6 +159,33 @@ def test_refresh_refuses_to_overwrite_patches_changed_since_the_tree_was_built(p
     assert patches_state(project) == before
 
 
+def test_ctrl_c_during_refresh_leaves_patches_all_old_or_all_new(project: Path, monkeypatch):
+    sys.path.insert(0, str(TREE.parent))
+    import tree as tree_py
+
+    core = project / "airflow-core"
+    editor = {"GIT_SEQUENCE_EDITOR": "sed -i '2s/^pick/edit/'"}
+    assert git(core, "rebase", "-i", "base", env={**os.environ, **editor}).returncode == 0
+    git(core, "commit", "-q", "--amend", "-m", message("Give the callback row weight 2", body="A new body."))
+    assert git(core, "rebase", "--continue", env={**os.environ, "GIT_EDITOR": "true"}).returncode == 0
+    replace, calls = os.replace, []
+
+    def interrupted_replace(src, dst):  # Ctrl-C lands between the first and the second patch written
+        calls.append(dst)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        replace(src, dst)
+
+    monkeypatch.setattr(tree_py.os, "replace", interrupted_replace)
+    with pytest.raises(KeyboardInterrupt):
+        tree_py.refresh(project)
+    monkeypatch.undo()
+    assert len(calls) == 3  # every patch was written before the interrupt was delivered
+    assert "A new body." in (project / "patches" / "Give-the-callback-row-weight-2.patch").read_text()
+    proc = tree(project, "refresh")  # the tree's stamp matches patches/: a rerun finds it consistent
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_refresh_never_deletes_a_file_that_is_not_a_patch_of_the_series(project: Path):
     (project / "patches" / "my-draft.patch").write_text("not in the series yet\n")
     core = project / "airflow-core"
