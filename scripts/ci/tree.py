@@ -22,7 +22,8 @@ Commands (run from anywhere; ``--root`` is the project root, default: this file'
 A rebuild refuses to drop anything the tree holds beyond the series (uncommitted or untracked files,
 commits, other branches or tags, stashes) and a repository it did not make. Commands that move the tree
 take a lock (``.airflow-core.lock``): a second one waits up to ``SERIES_LOCK_TIMEOUT`` seconds (120), then
-refuses. SIGTERM/SIGHUP unwind like Ctrl-C: no temporary folder is left; one left by a killed run
+refuses. SIGTERM/SIGHUP unwind like Ctrl-C: no temporary folder is left, and ``refresh`` holds them
+while it writes ``patches/`` (all old or all new); one left by a killed run
 (SIGKILL) is removed by the next ``prepare``.
 
 Errors exit with status 1 and a one-line message naming the cause (patch, file, hunk; expected vs got
