@@ -468,9 +468,10 @@ def prepare(root: Path) -> str:
         try:
             (work / TEMP_MARK).write_text("a build folder of scripts/ci/tree.py prepare\n")
             build(root, cfg, patches, work / "airflow-core")
-            if tree.exists():
-                tree.rename(work / "old")
-            (work / "airflow-core").rename(tree)
+            with signals_held():  # the old tree or the new one, never none
+                if tree.exists():
+                    tree.rename(work / "old")
+                (work / "airflow-core").rename(tree)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return f"{name} built: {cfg['package']} {cfg['version']} + {len(patches)} patch(es)"

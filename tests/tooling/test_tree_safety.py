@@ -302,6 +302,31 @@ def test_a_later_prepare_removes_the_temp_dir_of_a_killed_one_and_nothing_else(b
 # --- case 8: bad input, one clear line ----------------------------------------------------------
 
 
+def test_ctrl_c_between_the_old_tree_moved_away_and_the_new_one_moved_in_keeps_a_tree(
+    project: Path, monkeypatch
+):
+    sys.path.insert(0, str(TREE.parent))
+    import tree as tree_py
+
+    series = project / "patches" / "series"  # the series changed (a pull): prepare rebuilds the tree
+    series.write_text("\n".join(series.read_text().splitlines()[:-1]) + "\n")
+    rename = Path.rename
+
+    def interrupted_rename(self, target):  # Ctrl-C right after the old tree is moved away
+        result = rename(self, target)
+        if self == project / "airflow-core":
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(Path, "rename", interrupted_rename)
+    with pytest.raises(KeyboardInterrupt):
+        tree_py.prepare(project)
+    monkeypatch.undo()
+    core = project / "airflow-core"
+    assert git(core, "log", "-1", "--format=%s").stdout == "Give the callback row weight 2\n"  # the new tree
+    assert not list(project.glob("airflow-core.*"))
+
+
 def test_duplicate_series_line_is_named(project: Path):
     series = project / "patches" / "series"
     first = (project / "patches" / "series").read_text().splitlines()[2]
