@@ -203,7 +203,9 @@ def test_ctrl_c_during_verify_series_puts_the_tree_back_and_says_so():
     }
     proc = subprocess.Popen([NOX, "-f", str(ROOT / "noxfile.py"), "-s", "verify-series-sqlite"], cwd=ROOT,
                             env=clean, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True,
+                            # as in a terminal: a session started in the background inherits SIGINT ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
         log = []
         for line in proc.stdout:  # until the first step's pytest runs (base + 0 patches)
