@@ -159,7 +159,16 @@ def test_refresh_refuses_to_overwrite_patches_changed_since_the_tree_was_built(p
     assert patches_state(project) == before
 
 
-def test_ctrl_c_during_refresh_leaves_patches_all_old_or_all_new(project: Path, monkeypatch):
+@pytest.fixture
+def python_sigint():
+    """Ctrl-C raises KeyboardInterrupt here, also where the session was started with SIGINT ignored
+    (``nohup nox ... &``: Python then installs no handler of its own)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_during_refresh_leaves_patches_all_old_or_all_new(project: Path, monkeypatch, python_sigint):
     sys.path.insert(0, str(TREE.parent))
     import tree as tree_py
 
@@ -303,7 +312,7 @@ def test_a_later_prepare_removes_the_temp_dir_of_a_killed_one_and_nothing_else(b
 
 
 def test_ctrl_c_between_the_old_tree_moved_away_and_the_new_one_moved_in_keeps_a_tree(
-    project: Path, monkeypatch
+    project: Path, monkeypatch, python_sigint
 ):
     sys.path.insert(0, str(TREE.parent))
     import tree as tree_py
