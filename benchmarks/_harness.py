@@ -75,11 +75,26 @@ def make_session_factory(engine):
 
 
 def reset_schema() -> None:
-    """Drop and recreate the schema with Airflow's own code (``airflow db reset``)."""
+    """Drop and recreate the schema with Airflow's own code (``airflow db reset``).
+
+    A database holding Airflow data (rows in ``dag``, ``connection``, ...) is refused unless ``DB_RESET=true``,
+    the rule of the test sessions: the DSN comes from the environment, where an operator's Airflow may have
+    put it. ``run.py`` sets it for its later workers (the database is then the benchmark's own).
+    """
+    import sys
+
     from airflow import settings
     from airflow.models import import_all_models
     from airflow.utils import db
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "ci"))
+    import dbserver
+
+    with settings.engine.connect() as conn:
+        held = dbserver.airflow_data(conn)
+    if held and os.environ.get("DB_RESET", "").lower() != "true":
+        dsn = dbserver.masked(settings.SQL_ALCHEMY_CONN)
+        raise SystemExit(f"benchmark: {dsn}: {dbserver.refusal(held)}; nothing was changed")
     import_all_models()
     db.resetdb()
     settings.Session.remove()

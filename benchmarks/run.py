@@ -561,6 +561,7 @@ def main() -> int:
     facts["stale_heartbeats"] = args.stale_heartbeats
     res: dict[str, dict] = {}
     checkouts = {"base": "0", "series": "all"}
+    env = dict(os.environ)
     try:
         with tempfile.TemporaryDirectory(prefix="airflow-bench.") as tmp:
             for variant in args.variants.split(","):
@@ -593,12 +594,15 @@ def main() -> int:
                     str(args.slow_failures),
                 ]
                 load = "%.2f %.2f %.2f" % os.getloadavg()
-                proc = subprocess.run(cmd)
+                proc = subprocess.run(cmd, env=env)
                 if proc.returncode or not out.is_file():
                     raise SystemExit(f"worker for {variant} failed (exit {proc.returncode})")
                 got = json.loads(out.read_text())
                 got["loads"] = [f"{load} -> " + "%.2f %.2f %.2f" % os.getloadavg()]
                 merge(res.setdefault(variant, {}), got)
+                # The first worker checked the database (no Airflow data, or DB_RESET=true): the later
+                # ones reset what the benchmark itself wrote.
+                env["DB_RESET"] = "true"
     finally:
         print(tree_cmd(root, "checkout", "all"), flush=True)
     facts["load_end"] = "%.2f %.2f %.2f" % os.getloadavg()

@@ -28,14 +28,16 @@ Export patches of the series as what upstream pull requests need.
 
 The patch commits are made in a throwaway clone of ``airflow-core/`` (run ``tree.py prepare`` first);
 the tree itself is not touched. The folder is built beside its target and moved into place only when
-complete; an existing ``--out`` is replaced only if it is an earlier export (it holds ``.series-export``),
-anything else is refused. ``--verify`` logs are checked before anything is written.
+complete; an existing ``--out`` is replaced only if it is an earlier export (it holds ``.series-export``,
+which lists each file it wrote with its sha256) with no file added or edited since; anything else is
+refused, and so is an ``--all`` index ``README.md`` edited since it was written. ``--verify`` logs are checked before anything is written.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import json
 import os
 import re
@@ -702,11 +704,37 @@ def refuse_out(out: Path) -> None:
             f"{out} exists and is not an export made by export.py (no {MARK} in it, or a symbolic link): "
             "refusing to replace it; give another --out or move it away"
         )
-    if out.exists() and (added := sorted(files_in(out) - set((out / MARK).read_text().splitlines()[1:]))):
+    if not out.exists():
+        return
+    written = marked(out)
+    if added := sorted(files_in(out) - set(written)):
         raise tree.TreeError(
             f"{out} holds files export.py did not write ({', '.join(added)}): refusing to replace it; "
             "move them away first"
         )
+    edited = [f for f, sha in written.items() if sha and (out / f).is_file() and sha256_of(out / f) != sha]
+    if edited:
+        raise tree.TreeError(
+            f"{out}: {', '.join(sorted(edited))} changed since export.py wrote it: refusing to replace it; "
+            "save your changes elsewhere (or give another --out) first"
+        )
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def marked(out: Path) -> dict[str, str | None]:
+    """The files the marker of ``out`` lists, with the sha256 they were written with (None: an older marker)."""
+    found: dict[str, str | None] = {}
+    for line in (out / MARK).read_text().splitlines()[1:]:
+        m = re.fullmatch(r"([0-9a-f]{64})  (.+)", line)
+        found[m[2] if m else line] = m[1] if m else None
+    return found
 
 
 def export(root: Path, name: str, out: Path, logs: list[Path], items: list[dict]) -> Exported:
@@ -719,8 +747,9 @@ def export(root: Path, name: str, out: Path, logs: list[Path], items: list[dict]
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         result = write_export(root, name, staging / "new", logs, items)
-        # The marker lists what the export wrote: a later export replaces the folder only if nothing was added.
-        written = sorted(files_in(staging / "new"))
+        # The marker lists what the export wrote and its sha256: a later export replaces the folder only if
+        # nothing was added or edited.
+        written = [f"{sha256_of(staging / 'new' / f)}  {f}" for f in sorted(files_in(staging / "new"))]
         (staging / "new" / MARK).write_text("\n".join([f"export.py {name}", *written]) + "\n")
         if out.exists():
             out.rename(staging / "old")
@@ -956,7 +985,6 @@ def description(
 def index(results: list[Exported], root: Path) -> str:
     """The table ``--all`` writes to ``export/README.md``."""
     lines = [
-        INDEX_HEAD,
         "",
         "One PR per patch, in dependency (series) order. Open them in this order.",
         "",
@@ -1004,8 +1032,16 @@ def main(argv: list[str] | None = None) -> int:
         for out in outs.values():
             refuse_out(out)
         readme = base / "README.md"
-        if args.all and readme.exists() and not readme.read_text().startswith(INDEX_HEAD):
-            raise tree.TreeError(f"{readme} was not written by export.py --all: refusing to replace it")
+        if args.all and readme.exists():
+            head, _, rest = readme.read_text().partition("\n")
+            sha, _, body = rest.partition("\n")
+            if head != INDEX_HEAD:
+                raise tree.TreeError(f"{readme} was not written by export.py --all: refusing to replace it")
+            if re.fullmatch(r"<!-- sha256 [0-9a-f]{64} -->", sha) and sha[12:76] != sha256_text(body):
+                raise tree.TreeError(
+                    f"{readme} changed since export.py --all wrote it: refusing to replace it; save your "
+                    "changes elsewhere first"
+                )
         items = collect(root, args.python)
         results = [export(root, n, outs[n], args.verify, items) for n in names]
     except tree.TreeError as e:
@@ -1023,7 +1059,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in r.notes:
             print(f"note: {n}")
     if args.all:
-        readme.write_text(index(results, root))
+        body = index(results, root)
+        readme.write_text(f"{INDEX_HEAD}\n<!-- sha256 {sha256_text(body)} -->\n{body}")
         print(f"\n{readme}:\n{readme.read_text()}")
     return 0
 

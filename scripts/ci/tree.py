@@ -10,17 +10,20 @@ Commands (run from anywhere; ``--root`` is the project root, default: this file'
 * ``prepare``   download the sdist (pip, package index only), check its sha256, unpack it in upstream
   layout and ``git am`` the series. Idempotent: a tree already built from the same sdist and series is
   left alone. A tree with work not yet written back (commits above the series, or uncommitted edits)
-  is refused, never overwritten. On any error the previous ``airflow-core/`` is left exactly as it was.
+  is refused, never overwritten; so is a tree with a rebase/am/cherry-pick/merge in
+  progress (``checkout`` too). On any error the previous ``airflow-core/`` is left exactly as it was.
 * ``checkout K`` put the tree at base + the first K patches (``all`` for the whole series); cheap, the
   editable install follows the working tree.
 * ``refresh``   rewrite ``patches/`` and ``patches/series`` from the commits ``base..HEAD``. HEAD must be
-  the tip of branch ``series`` or above it, with no rebase/am/cherry-pick/merge in progress; the comment
+  the tip of branch ``series`` or above it, with no rebase/am/cherry-pick/merge in progress, and
+  ``patches/`` must be what the tree was built (or last refreshed) from; the comment
   lines of ``patches/series`` are kept and only the files of the old series are replaced or removed.
 
 A rebuild refuses to drop anything the tree holds beyond the series (uncommitted or untracked files,
 commits, other branches or tags, stashes) and a repository it did not make. Commands that move the tree
 take a lock (``.airflow-core.lock``): a second one waits up to ``SERIES_LOCK_TIMEOUT`` seconds (120), then
-refuses. SIGTERM/SIGHUP unwind like Ctrl-C: no temporary folder is left; one left by a killed run
+refuses. SIGTERM/SIGHUP unwind like Ctrl-C: no temporary folder is left, and ``refresh`` holds them
+while it writes ``patches/`` (all old or all new); one left by a killed run
 (SIGKILL) is removed by the next ``prepare``.
 
 Errors exit with status 1 and a one-line message naming the cause (patch, file, hunk; expected vs got
@@ -305,8 +308,33 @@ def stamp_of(cfg: dict[str, str], patches: list[Path]) -> str:
     return h.hexdigest()
 
 
+IN_PROGRESS = {
+    "rebase-merge": ("a rebase", "rebase"),
+    "rebase-apply": ("a rebase or `git am`", "rebase"),
+    "CHERRY_PICK_HEAD": ("a cherry-pick", "cherry-pick"),
+    "MERGE_HEAD": ("a merge", "merge"),
+    "REVERT_HEAD": ("a revert", "revert"),
+}
+
+
+def in_progress(tree: Path) -> str | None:
+    """Return "<a rebase> is in progress ... (finish or abort it)" if git is in the middle of one, or None."""
+    for name, (what, cmd) in IN_PROGRESS.items():
+        if (tree / ".git" / name).exists():
+            return (
+                f"{what} is in progress in {tree.name}/: finish it (`git {cmd} --continue`) or abort it "
+                f"(`git {cmd} --abort`) first"
+            )
+    return None
+
+
 def pending_work(tree: Path) -> str | None:
-    """Return why ``tree`` holds work that ``refresh`` has not written back, or None."""
+    """Return why ``tree`` holds work that ``refresh`` has not written back, or None.
+
+    A rebase/am/cherry-pick/merge in progress counts: moving HEAD under it would break it.
+    """
+    if why := in_progress(tree):
+        return why
     if git(tree, "status", "--porcelain", "--untracked-files=no").stdout.strip():
         return "it has uncommitted changes"
     if git(tree, "rev-parse", "-q", "--verify", "series", check=False).returncode:
@@ -423,6 +451,8 @@ def prepare(root: Path) -> str:
             if (stale / TEMP_MARK).is_file():
                 shutil.rmtree(stale, ignore_errors=True)
         if tree.exists() or tree.is_symlink():
+            if (tree / ".git" / STAMP).is_file() and (why := in_progress(tree)):
+                raise TreeError(f"{name} not touched: {why}")
             stamp = tree / ".git" / STAMP
             if stamp.is_file() and stamp.read_text() == stamp_of(cfg, patches) and not pending_work(tree):
                 git(tree, "checkout", "-q", "series")
@@ -431,16 +461,17 @@ def prepare(root: Path) -> str:
             if lost:
                 raise TreeError(
                     f"{name} not rebuilt, it holds what a rebuild would lose: {'; '.join(lost)}. To keep "
-                    f"commits: `nox -s refresh`; to keep the rest, move it out of {name}; to drop it all: "
+                    f"changes and commits: commit them in {name} and run `nox -s refresh`; to keep the rest, move it out of {name}; to drop it all: "
                     f"`rm -rf {tree.name}` (it is generated; the sdist is cached)"
                 )
         work = Path(tempfile.mkdtemp(prefix=f"{tree.name}.", dir=root))
         try:
             (work / TEMP_MARK).write_text("a build folder of scripts/ci/tree.py prepare\n")
             build(root, cfg, patches, work / "airflow-core")
-            if tree.exists():
-                tree.rename(work / "old")
-            (work / "airflow-core").rename(tree)
+            with signals_held():  # the old tree or the new one, never none
+                if tree.exists():
+                    tree.rename(work / "old")
+                (work / "airflow-core").rename(tree)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return f"{name} built: {cfg['package']} {cfg['version']} + {len(patches)} patch(es)"
@@ -462,15 +493,6 @@ def checkout(root: Path, k: str) -> str:
     return f"{tree.name}/ at base + {k} of {n} patch(es)"
 
 
-IN_PROGRESS = {
-    "rebase-merge": ("a rebase", "rebase"),
-    "rebase-apply": ("a rebase or `git am`", "rebase"),
-    "CHERRY_PICK_HEAD": ("a cherry-pick", "cherry-pick"),
-    "MERGE_HEAD": ("a merge", "merge"),
-    "REVERT_HEAD": ("a revert", "revert"),
-}
-
-
 def refresh(root: Path) -> str:
     tree = core_dir(root)
     if not (tree / ".git" / STAMP).is_file():
@@ -482,12 +504,20 @@ def refresh(root: Path) -> str:
 
 
 def _refresh(root: Path, tree: Path) -> str:
-    for name, (what, cmd) in IN_PROGRESS.items():
-        if (tree / ".git" / name).exists():
-            raise TreeError(
-                f"{what} is in progress in airflow-core/: finish it (`git {cmd} --continue`) or abort it "
-                f"(`git {cmd} --abort`), then refresh"
-            )
+    if why := in_progress(tree):
+        raise TreeError(f"{why}, then refresh")
+    rel = patches_dir(root).relative_to(root)
+    try:
+        current = stamp_of(base_config(root), series(root))
+    except TreeError:
+        current = None  # a patch file of the series is missing or unreadable: changed too
+    if (tree / ".git" / STAMP).read_text() != current:
+        raise TreeError(
+            f"{rel}/ changed since {tree.name}/ was built from it (a patch edited, added or removed, or "
+            f"a pull): refresh would overwrite that with {tree.name}/'s patches; to keep the change, "
+            f"`nox -s prepare` rebuilds {tree.name}/ from {rel}/ (save work in {tree.name}/ first); to drop "
+            f"it, `git checkout {rel}/`"
+        )
     if git(tree, "status", "--porcelain", "--untracked-files=no").stdout.strip():
         raise TreeError("airflow-core/ has uncommitted changes: commit them first (one commit per patch)")
     if git(tree, "merge-base", "--is-ancestor", "series", "HEAD", check=False).returncode:
@@ -520,17 +550,31 @@ def _refresh(root: Path, tree: Path) -> str:
                     f"{queue.relative_to(root)}/{name} exists and is not in its series: move it away, then refresh"
                 )
             names.append(name)
-        for f, name in zip(sorted(out.glob("*.patch")), names):
-            os.replace(f, queue / name)
+        # From the first patch replaced to the stamp: all or nothing for Ctrl-C/SIGTERM/SIGHUP (held until
+        # the end), so that an interrupted refresh never leaves patches/ half-rewritten.
+        with signals_held():
+            for f, name in zip(sorted(out.glob("*.patch")), names):
+                os.replace(f, queue / name)
+            for name in set(old) - set(names):  # only patches of the old series
+                (queue / name).unlink(missing_ok=True)
+            write_series(queue / "series", names)
+            git(tree, "checkout", "-q", "-B", "series", "HEAD")
+            (tree / ".git" / STAMP).write_text(stamp_of(base_config(root), series(root)))
+            (tree / ".git" / STAMP_HEAD).write_text(git(tree, "rev-parse", "HEAD").stdout)
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    for name in set(old) - set(names):  # only patches of the old series
-        (queue / name).unlink(missing_ok=True)
-    write_series(queue / "series", names)
-    git(tree, "checkout", "-q", "-B", "series", "HEAD")
-    (tree / ".git" / STAMP).write_text(stamp_of(base_config(root), series(root)))
-    (tree / ".git" / STAMP_HEAD).write_text(git(tree, "rev-parse", "HEAD").stdout)
     return f"{queue.relative_to(root)}/ rewritten from {tree.name}/ ({cfg_version(root)}): {len(names)} patch(es)"
+
+
+@contextlib.contextmanager
+def signals_held():
+    """Hold SIGINT, SIGTERM and SIGHUP (also for the commands started meanwhile); deliver them afterwards."""
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def write_series(path: Path, names: list[str]) -> None:

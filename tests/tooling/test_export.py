@@ -302,6 +302,18 @@ def test_all_writes_every_patch_in_order_with_an_index(forms: Path):
     assert (forms / "export" / SECOND.removesuffix(".patch") / "PR.md").read_text().count(FIRST) >= 1
 
 
+def test_all_keeps_an_index_the_user_edited(forms: Path):
+    assert run_export(forms, "--all").returncode == 0
+    index = forms / "export" / "README.md"
+    edited = index.read_text() + "\nOpened PR 1 on 2026-12-01.\n"
+    index.write_text(edited)
+    proc = run_export(forms, "--all")
+    assert proc.returncode == 1
+    assert f"{index} changed since export.py --all wrote it" in proc.stderr
+    assert index.read_text() == edited
+    index.unlink()
+
+
 def test_unknown_patch_is_refused(project: Path):
     cmd = [sys.executable, str(ROOT / "scripts" / "ci" / "export.py"), "--root", str(project), "nope.patch"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -358,6 +370,19 @@ def test_reexport_keeps_a_file_the_user_added(project: Path):
     assert "holds files export.py did not write (NOTES.md)" in proc.stderr
     assert (out / "NOTES.md").read_text() == "mine\n"
     (out / "NOTES.md").unlink()
+
+
+def test_reexport_keeps_a_file_the_user_edited(project: Path):
+    out = export(project, FIRST)
+    edited = (out / "PR.md").read_text() + "\nMy review notes.\n"
+    (out / "PR.md").write_text(edited)
+    proc = run_export(project, FIRST, "--out", str(out))
+    assert proc.returncode == 1
+    assert f"{out}: PR.md changed since export.py wrote it: refusing to replace it" in proc.stderr
+    assert (out / "PR.md").read_text() == edited
+    (out / "PR.md").unlink()  # as if the user had saved it elsewhere: the export is then replaced
+    assert run_export(project, FIRST, "--out", str(out)).returncode == 0
+    assert "My review notes." not in (out / "PR.md").read_text()
 
 
 def test_out_that_is_a_symlink_is_refused_and_kept(project: Path, tmp_path: Path):

@@ -112,6 +112,26 @@ def test_dsn_is_ignored_unless_backend_names_the_session(given, backend):
     assert connections(engine) == ["prod_db"]
 
 
+def test_password_in_the_query_string_is_never_printed():
+    """libpq and SQLAlchemy take ``?password=`` too; pytest's header showed it (hide_password masks the
+    URL's password only)."""
+    if not any(Path("/usr/lib/postgresql").glob("*/bin/initdb")):
+        pytest.skip("needs the postgresql package")
+    with dbserver.throwaway("postgres") as dsn:
+        proc = nox(
+            "-s",
+            "tests-postgres",
+            "--",
+            ONE_TEST,
+            AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"{dsn}?password={SECRET}",
+            BACKEND="postgres",
+        )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "backend postgres: postgresql+psycopg2://postgres@127.0.0.1:" in out  # the header is there
+    assert SECRET not in out
+
+
 def test_second_session_does_not_move_the_tree_while_one_holds_it():
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, tree; from pathlib import Path\n"
@@ -173,3 +193,64 @@ def test_sighup_stops_the_session_its_server_and_removes_its_folders():
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_ctrl_c_during_verify_series_puts_the_tree_back_and_says_so():
+    """Ctrl-C (SIGINT to the terminal's process group) during a verify-series step: a message, no traceback,
+    airflow-core/ back at the full series and clean, so a rerun starts from there."""
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "BACKEND")
+    }
+    proc = subprocess.Popen([NOX, "-f", str(ROOT / "noxfile.py"), "-s", "verify-series-sqlite"], cwd=ROOT,
+                            env=clean, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True,
+                            # as in a terminal: a session started in the background inherits SIGINT ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    try:
+        log = []
+        for line in proc.stdout:  # until the first step's pytest runs (base + 0 patches)
+            log.append(line)
+            if line.startswith("[1/"):
+                break
+        assert log and log[-1].startswith("[1/"), "".join(log)
+        time.sleep(3)  # let the step's pytest start; any moment of the step must do
+        os.killpg(proc.pid, signal.SIGINT)
+        out = "".join(log) + proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "verify_series.py: interrupted; no verdict" in out, out
+    assert "Traceback" not in out, out
+    core = ROOT / "airflow-core"
+    head = subprocess.run(
+        ["git", "-C", str(core), "rev-parse", "HEAD", "series"], capture_output=True, text=True
+    )
+    assert len(set(head.stdout.split())) == 1, head.stdout
+    status = subprocess.run(["git", "-C", str(core), "status", "--porcelain"], capture_output=True, text=True)
+    assert status.stdout == ""
+
+
+def test_benchmark_run_directly_refuses_a_database_holding_airflow_data(tmp_path):
+    """benchmarks/ reset the database of AIRFLOW__DATABASE__SQL_ALCHEMY_CONN, where an operator's Airflow may
+    have put it: one holding Airflow data is refused unless DB_RESET=true (the rule of the test sessions)."""
+    from sqlalchemy import create_engine, text
+
+    python = ROOT / ".nox" / "tests-sqlite" / "bin" / "python"
+    if not python.exists():  # the venv of tests-sqlite: the patched tree, airflow importable
+        assert nox("-s", "tests-sqlite", "--", ONE_TEST).returncode == 0
+    dsn = f"sqlite:///{tmp_path / 'prod.db'}"
+    engine = create_engine(dsn)
+    with engine.begin() as conn:  # not Airflow's schema: the one table the check reads, with a row
+        conn.execute(text("CREATE TABLE dag (dag_id VARCHAR(250) PRIMARY KEY)"))
+        conn.execute(text("INSERT INTO dag VALUES ('prod')"))
+    env = {k: v for k, v in os.environ.items() if k not in ("DB_RESET", "VIRTUAL_ENV", "BACKEND")}
+    env.update({"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": dsn, "AIRFLOW_HOME": str(tmp_path / "home")})
+    proc = subprocess.run([str(python), "benchmarks/purge_trace.py", str(ROOT)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "holds Airflow data (rows in dag): refusing to reset it" in out, out
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT dag_id FROM dag")).scalars().all() == ["prod"]
+    engine.dispose()

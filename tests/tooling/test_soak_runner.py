@@ -230,3 +230,84 @@ def test_healthy_tries_failed_by_a_duplicate_dispatch():
             "heartbeats_after_failure": {409: 1},
         }
     ]
+
+
+def report_of(code: int, **fields) -> dict:
+    """A run_soak report's fields that exit_status reads."""
+    report = {
+        "exit_code": code,
+        "verdict": "FAIL (series areas)" if code == 1 else "PASS",
+        "scheduler_exits": [{"category": "series"}] if code == 1 else [],
+        "scheduler_exits_series": 1 if code == 1 else 0,
+        "scheduler_exits_outside": 0,
+        "other_component_exits": [],
+        "ti_states": {"success": 5},
+        "orphans_left": [],
+        "interrupted": False,
+    }
+    return {**report, **fields}
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, 0),  # only the races the series fixes: what the pristine release is expected to show
+        ({"scheduler_exits_outside": 1}, 1),  # a crash outside the series' areas is not hidden by them
+        ({"other_component_exits": [{"component": "api-server"}]}, 1),
+        ({"ti_states": {"failed": 3}}, 1),  # the deployment did not work
+        ({"orphans_left": [{"pid": 1}]}, 1),
+        ({"interrupted": True, "exit_code": 2}, 2),
+    ],
+)
+def test_expected_races_of_the_base_pass_only_without_other_exits(fields, expected):
+    code, why = run_soak.exit_status(report_of(1, **fields), expect_races=True)
+    assert code == expected, why
+    assert why.startswith(f"exit {expected}")
+    assert "scheduler exits" in why and "other component exits" in why
+
+
+def test_findings_are_not_expected_without_the_option():
+    assert run_soak.exit_status(report_of(1), expect_races=False)[0] == 1
+    assert run_soak.exit_status(report_of(0), expect_races=True)[0] == 0
+
+
+def test_existing_report_is_not_overwritten(tmp_path):
+    import os
+    import subprocess
+
+    report = tmp_path / "postgres-series"
+    (tmp_path / "postgres-series.md").write_text("an earlier run\n")
+    proc = subprocess.run(
+        [sys.executable, str(Path(run_soak.__file__)), "--backend", "postgres", "--report", str(report)],
+        env={**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "postgresql://u:secret@127.0.0.1:1/db"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert f"soak: {tmp_path / 'postgres-series.md'} exists: not overwritten" in proc.stderr
+    assert (tmp_path / "postgres-series.md").read_text() == "an earlier run\n"
+    assert "secret" not in proc.stdout + proc.stderr
+
+
+def test_database_holding_airflow_data_is_not_wiped(tmp_path, monkeypatch):
+    """The DSN is read from the environment, where an operator's Airflow may have left it: refused."""
+    import types
+
+    from sqlalchemy import create_engine, text
+
+    dsn = f"sqlite:///{tmp_path / 'prod.db'}"
+    engine = create_engine(dsn)
+    with engine.begin() as conn:  # not Airflow's schema: the one table the check reads, with a row
+        conn.execute(text("CREATE TABLE dag (dag_id VARCHAR(250) PRIMARY KEY)"))
+        conn.execute(text("INSERT INTO dag VALUES ('prod')"))
+    monkeypatch.delenv("DB_RESET", raising=False)
+    soak = run_soak.Soak.__new__(run_soak.Soak)
+    soak.args = types.SimpleNamespace(dsn=dsn)
+    soak.home, soak.duplicates = tmp_path / "home", False
+    soak.callback_file, soak.listener_file = tmp_path / "callbacks.jsonl", tmp_path / "listener.jsonl"
+    with pytest.raises(run_soak.SoakError, match=r"holds Airflow data \(rows in dag\).*nothing was changed"):
+        soak.setup()
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT dag_id FROM dag")).scalars().all() == ["prod"]
+    engine.dispose()

@@ -122,6 +122,79 @@ def test_refresh_refuses_during_a_rebase_and_the_rebase_can_continue(project: Pa
     assert "Flush-the-callback-row-at-once.patch" in (project / "patches" / "series").read_text()
 
 
+@pytest.mark.parametrize("command", [["prepare"], ["checkout", "0"]])
+def test_prepare_and_checkout_refuse_during_a_rebase_and_the_rebase_can_continue(project: Path, command):
+    # Stopped at `edit` with nothing changed yet: no uncommitted change, no commit above the series; moving
+    # HEAD to the series here (as prepare did) made `git rebase --continue` re-apply patches onto themselves.
+    core = project / "airflow-core"
+    editor = {"GIT_SEQUENCE_EDITOR": "sed -i '2s/^pick/edit/'"}
+    assert git(core, "rebase", "-i", "base", env={**os.environ, **editor}).returncode == 0
+    head = git(core, "rev-parse", "HEAD").stdout
+    proc = tree(project, *command)
+    one_line_error(proc, "a rebase is in progress in airflow-core/", "git rebase --continue")
+    assert git(core, "rev-parse", "HEAD").stdout == head
+    assert (core / ".git" / "rebase-merge").is_dir()
+    git(core, "commit", "-q", "--amend", "-m", message("Give the callback row weight 2 at once"))
+    done = git(core, "rebase", "--continue", env={**os.environ, "GIT_EDITOR": "true"})
+    assert done.returncode == 0, done.stderr
+    assert tree(project, "refresh").returncode == 0
+    assert "Give-the-callback-row-weight-2-at-once.patch" in (project / "patches" / "series").read_text()
+
+
+@pytest.mark.parametrize("change", ["edit", "pull"])
+def test_refresh_refuses_to_overwrite_patches_changed_since_the_tree_was_built(project: Path, change):
+    # A patch edited by hand in patches/ (or a pulled series) after airflow-core/ was built: refresh writes
+    # the tree's older patches back over it. It must refuse and leave patches/ alone.
+    queue = project / "patches"
+    first = (project / "patches" / "series").read_text().splitlines()[2]
+    patch = queue / first
+    if change == "edit":
+        patch.write_text(patch.read_text().replace("Subject: [PATCH] Flush", "Subject: [PATCH] Flush now"))
+    else:
+        series = queue / "series"
+        series.write_text("\n".join(series.read_text().splitlines()[:-1]) + "\n")
+    before = patches_state(project)
+    proc = tree(project, "refresh")
+    one_line_error(proc, "patches/ changed since airflow-core/ was built from it")
+    assert patches_state(project) == before
+
+
+@pytest.fixture
+def python_sigint():
+    """Ctrl-C raises KeyboardInterrupt here, also where the session was started with SIGINT ignored
+    (``nohup nox ... &``: Python then installs no handler of its own)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_during_refresh_leaves_patches_all_old_or_all_new(project: Path, monkeypatch, python_sigint):
+    sys.path.insert(0, str(TREE.parent))
+    import tree as tree_py
+
+    core = project / "airflow-core"
+    editor = {"GIT_SEQUENCE_EDITOR": "sed -i '2s/^pick/edit/'"}
+    assert git(core, "rebase", "-i", "base", env={**os.environ, **editor}).returncode == 0
+    git(core, "commit", "-q", "--amend", "-m", message("Give the callback row weight 2", body="A new body."))
+    assert git(core, "rebase", "--continue", env={**os.environ, "GIT_EDITOR": "true"}).returncode == 0
+    replace, calls = os.replace, []
+
+    def interrupted_replace(src, dst):  # Ctrl-C lands between the first and the second patch written
+        calls.append(dst)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        replace(src, dst)
+
+    monkeypatch.setattr(tree_py.os, "replace", interrupted_replace)
+    with pytest.raises(KeyboardInterrupt):
+        tree_py.refresh(project)
+    monkeypatch.undo()
+    assert len(calls) == 3  # every patch was written before the interrupt was delivered
+    assert "A new body." in (project / "patches" / "Give-the-callback-row-weight-2.patch").read_text()
+    proc = tree(project, "refresh")  # the tree's stamp matches patches/: a rerun finds it consistent
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_refresh_never_deletes_a_file_that_is_not_a_patch_of_the_series(project: Path):
     (project / "patches" / "my-draft.patch").write_text("not in the series yet\n")
     core = project / "airflow-core"
@@ -236,6 +309,31 @@ def test_a_later_prepare_removes_the_temp_dir_of_a_killed_one_and_nothing_else(b
 
 
 # --- case 8: bad input, one clear line ----------------------------------------------------------
+
+
+def test_ctrl_c_between_the_old_tree_moved_away_and_the_new_one_moved_in_keeps_a_tree(
+    project: Path, monkeypatch, python_sigint
+):
+    sys.path.insert(0, str(TREE.parent))
+    import tree as tree_py
+
+    series = project / "patches" / "series"  # the series changed (a pull): prepare rebuilds the tree
+    series.write_text("\n".join(series.read_text().splitlines()[:-1]) + "\n")
+    rename = Path.rename
+
+    def interrupted_rename(self, target):  # Ctrl-C right after the old tree is moved away
+        result = rename(self, target)
+        if self == project / "airflow-core":
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(Path, "rename", interrupted_rename)
+    with pytest.raises(KeyboardInterrupt):
+        tree_py.prepare(project)
+    monkeypatch.undo()
+    core = project / "airflow-core"
+    assert git(core, "log", "-1", "--format=%s").stdout == "Give the callback row weight 2\n"  # the new tree
+    assert not list(project.glob("airflow-core.*"))
 
 
 def test_duplicate_series_line_is_named(project: Path):

@@ -318,10 +318,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    import airflow
-    from sqlalchemy.engine import make_url
+    import sys
 
-    url = make_url(settings.SQL_ALCHEMY_CONN).render_as_string(hide_password=True)
+    import airflow
+
+    sys.path.insert(0, str(PROJECT_ROOT / "scripts" / "ci"))
+    import dbserver
+
+    # Not SQLAlchemy's hide_password: it leaves a password given in the query string (?password=...).
+    url = dbserver.masked(settings.SQL_ALCHEMY_CONN)
     lines = [
         f"airflow {airflow.__version__} from {Path(airflow.__file__).parent}",
         f"backend {BACKEND}: {url}",
