@@ -756,11 +756,6 @@ def test_given_up_event_stays_dropped_when_its_transaction_rolls_back(
 
 @pytest.mark.proves(P_KEEP)
 @pytest.mark.backend("postgres", "mysql")
-@pytest.mark.skipif(
-    airflow.__version__.startswith("3.2."),
-    reason="the 3.2.2 queue keeps the earlier shape of this patch: its failure handling waits for the row "
-    "lock (the issue-17 change, 2026-12-01, is not ported to 3.2.2 yet)",
-)
 def test_event_of_a_row_another_transaction_holds_is_kept_without_waiting(
     dag_maker, session, other_session, scheduler_job_runner
 ):
