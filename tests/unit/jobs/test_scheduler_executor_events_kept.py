@@ -383,9 +383,12 @@ def test_poison_event_is_given_up_visibly_after_a_bounded_number_of_passes(
     assert "rejected by test trigger" in logged, "the cause is not in the log"
     given_up = [tags for name, tags in counted if name == "scheduler.executor_events.given_up"]
     assert given_up == [{"dag_id": "poison_event", "task_id": POISON}]
-    from airflow._shared.observability.metrics.metrics_registry import MetricsRegistry
-
-    assert MetricsRegistry().get("scheduler.executor_events.given_up")["type"] == "counter"
+    try:
+        from airflow._shared.observability.metrics.metrics_registry import MetricsRegistry
+    except ImportError:  # compat 3.1.x: no metrics registry (metrics_template.yaml) to declare it in
+        MetricsRegistry = None
+    if MetricsRegistry is not None:
+        assert MetricsRegistry().get("scheduler.executor_events.given_up")["type"] == "counter"
     assert committed_ti("poison_event", POISON)[0] == TaskInstanceState.RUNNING
 
 
