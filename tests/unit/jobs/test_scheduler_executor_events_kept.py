@@ -30,6 +30,7 @@ from tests.unit.conftest import (
     callback_key_uuid,
     metrics_of,
 )
+from tests.unit.ti_race import Worker, lock_waiters, make_running_tis, read_rows, wait_until
 
 if HAS_CALLBACK_EVENTS:
     from airflow.models.callback import Callback, CallbackFetchMethod, CallbackKey, ExecutorCallback
@@ -41,7 +42,6 @@ else:  # compat 3.1.x: executors report task instances only; the callback-key ev
 # The first write of a batch, which arms the connection killers: a callback-key event's UPDATE (handled
 # first), or on 3.1.x (no such events) the first UPDATE of a task instance.
 FIRST_BATCH_UPDATE = r"^\s*UPDATE callback " if HAS_CALLBACK_EVENTS else r"^\s*UPDATE task_instance "
-from tests.unit.ti_race import Worker, lock_waiters, make_running_tis, read_rows, wait_until
 
 P_CONTAIN = "Keep-the-scheduler-running-when-one-executor-event-fails-in-the-DB.patch"
 
