@@ -163,6 +163,7 @@ if not os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC"):
 # Imports that pull in airflow (after the environment is in place).
 # --------------------------------------------------------------------------------------
 import contextlib
+import importlib.util
 from collections.abc import Generator
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
@@ -429,6 +430,10 @@ def make_engine() -> Engine:
 def make_session_factory(engine: Engine) -> sessionmaker:
     """A sessionmaker configured like Airflow's (no autoflush, no expire on commit)."""
     return sessionmaker(bind=engine, autoflush=False, expire_on_commit=False)
+
+
+# compat 3.1.x: no callback table and no callback-key executor events (airflow.models.callback is 3.2+).
+HAS_CALLBACK_EVENTS = importlib.util.find_spec("airflow.models.callback") is not None
 
 
 def callback_key_of(callback_id: Any) -> Any:

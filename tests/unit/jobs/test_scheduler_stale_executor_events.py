@@ -46,7 +46,13 @@ from airflow.providers.standard.sensors.time_delta import TimeDeltaSensor
 from airflow.triggers.base import TriggerEvent
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit.conftest import BACKEND, carries, guard_since, process_events_of_dead_process
+from tests.unit.conftest import (
+    BACKEND,
+    carries,
+    guard_since,
+    process_events_of_dead_process,
+    read_series,
+)
 
 PATCH = "Ignore-stale-executor-events-from-an-earlier-process-of-the-live-try.patch"
 P_PURGE = "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch"
@@ -397,7 +403,14 @@ def test_failed_event_of_live_attempt_is_never_stale(
     assert _mismatch_logs(session) == 1
 
 
-@pytest.mark.proves(PATCH)
+def _applied_last(*patches: str) -> str:
+    """Of ``patches``, all of which a test needs, the one its base's queue applies last (3.1.8 has the
+    purge patch after the stale-event patch, 3.2.2 and 3.3.2 before it)."""
+    series = read_series() or []
+    return max(patches, key=lambda p: series.index(p) if p in series else -1)
+
+
+@pytest.mark.proves(_applied_last(PATCH, P_PURGE))
 @pytest.mark.skipif(
     not carries(P_PURGE), reason=f"needs {P_PURGE} (the purge fails the try), not in this queue"
 )

@@ -64,16 +64,18 @@ def stuck_ti(dag_maker, session, scheduler_job_runner, monkeypatch):
 
 def _worker_moves_after_selection(runner, monkeypatch, move) -> list[list]:
     """Run ``move`` (another connection's commit) right after the handler selected its rows."""
-    original = runner._executor_to_workloads
+    # The handler groups its selection by executor right after reading it (compat 3.1.x: _executor_to_tis).
+    grouping = "_executor_to_workloads" if hasattr(runner, "_executor_to_workloads") else "_executor_to_tis"
+    original = getattr(runner, grouping)
     selections: list[list] = []
 
-    def selected_then_worker_moves(workloads, session, *args, **kwargs):
+    def selected_then_worker_moves(workloads, *args, **kwargs):
         workloads = list(workloads)  # the handler's selection, read before the worker's commit
         selections.append([(w.id, w.state) for w in workloads])
         move()
-        return original(workloads, session, *args, **kwargs)
+        return original(workloads, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "_executor_to_workloads", selected_then_worker_moves)
+    monkeypatch.setattr(runner, grouping, selected_then_worker_moves)
     return selections
 
 
