@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -568,13 +569,25 @@ def _refresh(root: Path, tree: Path) -> str:
 
 @contextlib.contextmanager
 def signals_held():
-    """Hold SIGINT, SIGTERM and SIGHUP (also for the commands started meanwhile); deliver them afterwards."""
+    """Hold SIGINT, SIGTERM and SIGHUP (also for the commands started meanwhile); deliver them afterwards.
+
+    The mask holds them in this thread and its children; a signal sent to the process can still be taken by
+    another thread, so (in the main thread) a handler records it too, and it is raised again at the end.
+    """
     held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    got: list[int] = []
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {sig: signal.signal(sig, lambda signum, _frame: got.append(signum)) for sig in held}
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a pending one is recorded here
+        for sig, handler in handlers.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for sig in dict.fromkeys(got):
+            signal.raise_signal(sig)
 
 
 def write_series(path: Path, names: list[str]) -> None:

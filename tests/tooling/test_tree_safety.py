@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -168,7 +169,20 @@ def python_sigint():
     signal.signal(signal.SIGINT, previous)
 
 
-def test_ctrl_c_during_refresh_leaves_patches_all_old_or_all_new(project: Path, monkeypatch, python_sigint):
+@pytest.fixture
+def another_thread():
+    """A second thread that does not hold signals: the kernel may give a process-directed signal to it."""
+    done = threading.Event()
+    thread = threading.Thread(target=done.wait, args=(60,), daemon=True)
+    thread.start()
+    yield
+    done.set()
+    thread.join(timeout=10)
+
+
+def test_ctrl_c_during_refresh_leaves_patches_all_old_or_all_new(
+    project: Path, monkeypatch, python_sigint, another_thread
+):
     sys.path.insert(0, str(TREE.parent))
     import tree as tree_py
 
