@@ -379,8 +379,10 @@ def lint(session: nox.Session) -> None:
     }
     failed = []
     for name, command in steps.items():
+        # the lint_series tests build a throwaway project of the default base, whichever base is linted
+        env = {tree.SELECT_ENV: ""} if command[0] == "pytest" else None
         try:
-            session.run(*command)
+            session.run(*command, env=env)
         except nox.command.CommandFailed:
             failed.append(name)
     if failed:
