@@ -151,9 +151,10 @@ def lint(root: Path, with_mypy: bool = True) -> list[str]:
         series_tree = export(core, "series", Path(tmp) / "series")
         findings += ruff_findings(series_tree, files)
         if with_mypy:
-            # Per checkout (git-ignored .nox/): clones of the project linting at the same time must not
-            # share one mypy cache (concurrent writers left it corrupt and mypy crashed on the base export).
-            cache = root / ".nox" / "mypy-cache"
+            # Per checkout (git-ignored .nox/) and base (.ci/run lints the bases at once): linters running at
+            # the same time must not share one mypy cache (concurrent writers left it corrupt and mypy crashed
+            # on the base export).
+            cache = root / ".nox" / "mypy-cache" / tree.cfg_version(root)
             base_errors = mypy_errors(export(core, "base", Path(tmp) / "base"), files, cache / "base")
             series_errors = mypy_errors(series_tree, files, cache / "series")
             findings += [(p, n, n, f"mypy: {m}") for p, n, m in new_mypy_errors(base_errors, series_errors)]

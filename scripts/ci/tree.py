@@ -21,7 +21,7 @@ Commands (run from anywhere; ``--root`` is the project root, default: this file'
 
 A rebuild refuses to drop anything the tree holds beyond the series (uncommitted or untracked files,
 commits, other branches or tags, stashes) and a repository it did not make. Commands that move the tree
-take a lock (``.airflow-core.lock``): a second one waits up to ``SERIES_LOCK_TIMEOUT`` seconds (120), then
+take a lock of that base's tree (``.airflow-core.lock``, ``.airflow-core-<version>.lock``): a second one waits up to ``SERIES_LOCK_TIMEOUT`` seconds (120), then
 refuses. SIGTERM/SIGHUP unwind like Ctrl-C: no temporary folder is left, and ``refresh`` holds them
 while it writes ``patches/`` (all old or all new); one left by a killed run
 (SIGKILL) is removed by the next ``prepare``.
@@ -62,8 +62,7 @@ GIT_ENV = {
 STAMP = "series-stamp"
 STAMP_HEAD = "series-head"  # the commit patches/ was last built from or written back from
 TEMP_MARK = ".made-by-tree-py"  # in our airflow-core.XXXX/ build folders: a killed run's is ours to remove
-LOCK_FILE = ".airflow-core.lock"
-LOCK_ENV = "AIRFLOW_SERIES_TREE_LOCK"  # set while this process (or a parent) holds the lock: root path
+LOCK_ENV = "AIRFLOW_SERIES_TREE_LOCK"  # set while this process (or a parent) holds the lock: its path
 KEYS = ("package", "version", "bases", "pins")
 SELECT_ENV = "USE_AIRFLOW_VERSION"  # breeze's variable: which supported base to build and test
 VERSION = re.compile(r"\d+(\.\d+)+((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?")  # as on PyPI: 3.3.2, 3.1.0rc1
@@ -185,14 +184,19 @@ def series(root: Path) -> list[Path]:
     return [queue / n for n in seen]
 
 
+def lock_file(root: Path) -> Path:
+    """The lock of the selected base's tree: ``.airflow-core.lock``, ``.airflow-core-<v>.lock`` (bases apart)."""
+    return root / f".{core_dir(root).name}.lock"
+
+
 @contextlib.contextmanager
 def locked(root: Path, purpose: str):
     """Hold the tree lock of ``root`` (waiting up to SERIES_LOCK_TIMEOUT s); no-op if a parent holds it."""
     root = root.resolve()
-    if os.environ.get(LOCK_ENV) == str(root):
+    path = lock_file(root)
+    if os.environ.get(LOCK_ENV) == str(path):
         yield
         return
-    path = root / LOCK_FILE
     with open(path, "a+") as f:
         timeout, deadline = float(os.environ.get("SERIES_LOCK_TIMEOUT", "120")), None
         while True:
@@ -203,17 +207,17 @@ def locked(root: Path, purpose: str):
                 holder = path.read_text().strip() or "another process"
                 if deadline is None:
                     deadline = time.monotonic() + timeout
-                    print(f"airflow-core/ is in use by {holder}; waiting up to {timeout:.0f} s "
+                    print(f"{path.stem[1:]}/ is in use by {holder}; waiting up to {timeout:.0f} s "
                           "(SERIES_LOCK_TIMEOUT)", file=sys.stderr, flush=True)  # fmt: skip
                 elif time.monotonic() > deadline:
                     raise TreeError(
-                        f"airflow-core/ is in use by {holder}: not touched; run again when it has finished"
+                        f"{path.stem[1:]}/ is in use by {holder}: not touched; run again when it has finished"
                     ) from None
                 time.sleep(0.2)  # polling a lock, bounded by the deadline
         f.truncate(0)
         f.write(f"{purpose} (pid {os.getpid()})\n")
         f.flush()
-        os.environ[LOCK_ENV] = str(root)
+        os.environ[LOCK_ENV] = str(path)
         try:
             yield
         finally:

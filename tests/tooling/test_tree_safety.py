@@ -420,3 +420,36 @@ def test_tree_is_not_moved_while_another_session_holds_it(project: Path):
     finally:
         holder.communicate("", timeout=30)
     assert tree(project, "checkout", "1").returncode == 0
+
+
+LOCK_IN_ANOTHER_PROCESS = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import tree
+with tree.locked(Path(sys.argv[2]), "the other process"):
+    print("locked")
+"""
+
+
+def test_each_base_locks_its_own_tree(tmp_path: Path, monkeypatch):
+    """.ci/run tests the bases at once: a session of one base must not wait for (and fail on) another's lock."""
+    import tomllib
+
+    sys.path.insert(0, str(TREE.parent))
+    import tree as tree_py
+
+    (tmp_path / "pyproject.toml").write_bytes((ROOT / "pyproject.toml").read_bytes())
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["airflow-series"]
+    other = next(version for version in cfg["bases"] if version != cfg["version"])
+    for name in ("USE_AIRFLOW_VERSION", "AIRFLOW_SERIES_TREE_LOCK"):
+        monkeypatch.delenv(name, raising=False)
+    env = {**os.environ, "SERIES_LOCK_TIMEOUT": "0"}
+    cmd = [sys.executable, "-c", LOCK_IN_ANOTHER_PROCESS, str(TREE.parent), str(tmp_path)]
+    with tree_py.locked(tmp_path, "this test"):
+        same = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        another = subprocess.run(
+            cmd, env={**env, "USE_AIRFLOW_VERSION": other}, capture_output=True, text=True, timeout=60
+        )
+    assert same.returncode == 1 and "airflow-core/ is in use by this test" in same.stderr
+    assert another.returncode == 0 and another.stdout == "locked\n", another.stderr
