@@ -678,9 +678,19 @@ class Soak:
 
     @staticmethod
     def _exit_context(text: str) -> str:
-        """Last traceback-ish chunk of an incarnation's output, for classification."""
+        """The exit's own exception, for classification: the log record of the last traceback (with all of
+        that traceback's chained exceptions) to the end; else the last 80 lines. An error the scheduler
+        logged and survived before it (a lock wait timeout, say) is not the cause of the exit."""
         lines = text.splitlines()
-        return "\n".join(lines[-80:])
+        last_tb = max(
+            (i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), default=None
+        )
+        if last_tb is None:
+            return "\n".join(lines[-80:])
+        start = last_tb
+        while start > 0 and not LOG_ISO_RE.match(lines[start]):
+            start -= 1
+        return "\n".join(lines[start:])
 
     # ---------------------------------------------------------------- chaos
     def own_task_procs(self) -> list[tuple[str, str, Proc]]:

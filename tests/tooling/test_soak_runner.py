@@ -311,3 +311,37 @@ def test_database_holding_airflow_data_is_not_wiped(tmp_path, monkeypatch):
     with engine.connect() as conn:
         assert conn.execute(text("SELECT dag_id FROM dag")).scalars().all() == ["prod"]
     engine.dispose()
+
+
+def test_a_crash_is_classified_by_its_own_exception_not_by_an_earlier_handled_error():
+    """A scheduler exit counts in the series' areas (and, with --expect-races, lets the base soak exit 0) only
+    if the exception that ended it is one of the series' races; a lock wait timeout the scheduler logged
+    and survived a few lines before an unrelated crash must not make that crash one."""
+    handled = (
+        "2026-12-01T10:24:23.613613Z [warning  ] Executor event could not be processed: (MySQLdb.OperationalError) "
+        "(1205, 'Lock wait timeout exceeded; try restarting transaction') [airflow.jobs.scheduler_job_runner]"
+    )
+    crash = [
+        "2026-12-01T10:24:30.000000Z [error    ] Exception when executing SchedulerJob._run_scheduler_loop",
+        "Traceback (most recent call last):",
+        '  File "/x/airflow/jobs/scheduler_job_runner.py", line 1044, in _execute',
+        "    self._run_scheduler_loop()",
+        "KeyError: 'sensor_3'",
+    ]
+    text = "\n".join([handled, *["[info     ] Loop took 0.1 s"] * 10, *crash])
+    category, cause = run_soak.classify_exit(run_soak.Soak._exit_context(text))
+    assert category != "series", cause
+    series = [
+        "2026-12-01T10:24:30.000000Z [error    ] Exception when executing SchedulerJob._run_scheduler_loop",
+        "Traceback (most recent call last):",
+        "psycopg2.errors.ForeignKeyViolation: insert or update on table \"task_reschedule\" violates foreign key",
+        "",
+        "The above exception was the direct cause of the following exception:",
+        "",
+        "Traceback (most recent call last):",
+        '  File "/x/airflow/jobs/scheduler_job_runner.py", line 1044, in _execute',
+        "RuntimeError: the scheduler loop failed",
+        "2026-12-01T10:24:31.000000Z [info     ] Exited execute loop",
+    ]
+    text = "\n".join([handled, *series])
+    assert run_soak.classify_exit(run_soak.Soak._exit_context(text))[0] == "series"
