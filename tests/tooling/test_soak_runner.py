@@ -334,7 +334,7 @@ def test_a_crash_is_classified_by_its_own_exception_not_by_an_earlier_handled_er
     series = [
         "2026-12-01T10:24:30.000000Z [error    ] Exception when executing SchedulerJob._run_scheduler_loop",
         "Traceback (most recent call last):",
-        "psycopg2.errors.ForeignKeyViolation: insert or update on table \"task_reschedule\" violates foreign key",
+        'psycopg2.errors.ForeignKeyViolation: insert or update on table "task_reschedule" violates foreign key',
         "",
         "The above exception was the direct cause of the following exception:",
         "",
