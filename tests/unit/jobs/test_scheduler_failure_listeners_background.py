@@ -260,9 +260,6 @@ def test_scheduler_loop_shutdown_logs_pending_listener_calls(
     from airflow.configuration import conf
 
     runner = scheduler_job_runner
-    # the defaults the patch message states: 60 s per call, 5 s at shutdown
-    assert conf.getfloat("scheduler", "task_instance_failed_listener_timeout") == 60.0
-    assert type(runner).failure_listener_shutdown_timeout == 5.0
     runner.num_runs = 1
     runner.failure_listener_shutdown_timeout = 0.2
     tis = failed_events(dag_maker, session, runner, "bg_shutdown", 2)
@@ -280,6 +277,9 @@ def test_scheduler_loop_shutdown_logs_pending_listener_calls(
         assert f"{ti.dag_id}.{ti.task_id} run_id={ti.run_id} map_index=-1 try 1 " in caplog.text
     rows = session.execute(select(TI.state).where(TI.dag_id.in_([ti.dag_id for ti in tis]))).scalars().all()
     assert rows == [UP_FOR_RETRY, UP_FOR_RETRY]
+    # the defaults the patch message states: 60 s per call, 5 s at shutdown
+    assert conf.getfloat("scheduler", "task_instance_failed_listener_timeout") == 60.0
+    assert type(runner).failure_listener_shutdown_timeout == 5.0
 
 
 class ChangingListener(BlockingListener):
