@@ -365,8 +365,8 @@ def slow_listener_table(res: dict[str, dict]) -> str:
             )
             if kind == "hang":
                 notes.append(
-                    f"- {variant}, hang run (first call waits {x.get('hang_timeout') and ''}up to the hang, "
-                    f"listener timeout {x.get('hang_timeout')} s): first call start -> second call start "
+                    f"- {variant}, hang run (the first call hangs, the others take 1 s; listener timeout "
+                    f"{x.get('hang_timeout')} s): first call start -> second call start "
                     f"{f(x.get('first_to_second_call_start_seconds'), '{:.2f}')} s; calls started "
                     f"{x.get('listener_calls_started')}, finished by the end of shutdown "
                     f"{x['listener_calls_done_by_shutdown']}"
@@ -501,12 +501,17 @@ def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[st
         out += [
             "## 5. A slow `on_task_instance_failed` listener and the scheduler loop (issue 17)",
             "",
-            "One scheduler step: N FAILED executor events through `_process_executor_events` in "
-            "`create_session()`, run as `SchedulerJobRunner._execute` runs its loop (inside "
-            "`runner.failure_listeners_in_background()` where the tree has it), once with a no-op listener "
-            "and once with a listener sleeping L s. Extra = step with the slow listener - step with the "
-            "no-op one: what the listener adds to one loop iteration (and to the scheduler job's "
-            "heartbeat age). Shutdown wait: the series waits up to 5 s for queued calls, then logs them.",
+            "N FAILED executor events (worker heartbeats an hour old) handled in the first iteration of a loop "
+            "run as `SchedulerJobRunner._execute` runs it (inside `runner.failure_listeners_in_background()` "
+            "where the tree has it): each iteration heartbeats the scheduler job (`perform_heartbeat`, "
+            "only if necessary) and runs `_process_executor_events`; the loop goes on, waiting up to 1 s "
+            "between iterations, until every listener call finished. Extra = first iteration with the "
+            "L-second listener - first iteration with the no-op one. Oldest job heartbeat age: a second "
+            "connection polls `job.latest_heartbeat` every 0.25 s during the loop. Calls: each failed try's "
+            "calls counted, the try order per TI, whether the task instance the listener got matches the "
+            "TI row its own session reads (id, state, try: the committed state). Hang run: the first call "
+            "waits for the hang, the others take 1 s, the block is left after the first iteration "
+            "(the series' shutdown waits 5 s and logs what was pending; its timeout logs are shown).",
             "",
             slow_listener_table(res),
             "",
