@@ -329,45 +329,77 @@ def concurrent_notes(res: dict[str, dict]) -> str:
 
 
 def slow_listener_table(res: dict[str, dict]) -> str:
-    rows = []
+    rows, notes = [], []
     for variant, r in res.items():
-        by_lat = {x["latency"]: x for x in r.get("slow_listener", [])}
-        if not by_lat:
-            continue
-        noop = by_lat.get(0.0)
-        for lat, x in sorted(by_lat.items()):
-            extra = x["step_seconds"] - noop["step_seconds"] if noop and lat else None
+        runs = r.get("slow_listener", [])
+        noop = next((x for x in runs if x.get("kind", "noop") == "noop" and not x["latency"]), None)
+        for x in runs:
+            kind = x.get("kind", "noop" if not x["latency"] else "slow")
+            extra = x["step_seconds"] - noop["step_seconds"] if noop and kind == "slow" else None
+            d = x.get("delivery") or {}
+
+            def f(v, fmt="{:.1f}"):
+                return "-" if v is None else fmt.format(v)
+
             rows.append(
                 [
                     variant,
                     "background thread" if x["background"] else "scheduler thread",
-                    f"{lat:g}",
+                    kind + (f" {x['latency']:g} s" if kind == "slow" else ""),
                     x["failures"],
-                    f"{x['step_seconds']:.3f}",
-                    f"{extra:.3f}" if extra is not None else "-",
+                    f(x["step_seconds"], "{:.3f}"),
+                    f(extra, "{:.3f}"),
+                    f"{x.get('loop_iterations', '-')} / {f(x.get('max_later_iteration_seconds'), '{:.3f}')}",
+                    f(x.get("loop_seconds")),
+                    f(x.get("max_heartbeat_age_seconds")),
                     x["listener_calls_done_in_step"],
-                    f"{x['shutdown_seconds']:.1f}" if x["background"] else "-",
-                    x["listener_calls_done_by_shutdown"],
+                    f"{d.get('tries_with_one_call', '-')} / {d.get('tries_with_more_calls', '-')}",
+                    d.get("tis_called_in_try_order", "-"),
+                    d.get("calls_seeing_committed_row", "-"),
+                    d.get("max_calls_at_once", "-"),
+                    f(x["shutdown_seconds"]) if x["background"] else "-",
+                    x.get("timeout_logs", "-"),
                     ", ".join(f"{k} {v}" for k, v in sorted(x["states"].items())),
                     x["error"] or "-",
                 ]
             )
+            if kind == "hang":
+                notes.append(
+                    f"- {variant}, hang run (the first call hangs, the others take 1 s; listener timeout "
+                    f"{x.get('hang_timeout')} s): first call start -> second call start "
+                    f"{f(x.get('first_to_second_call_start_seconds'), '{:.2f}')} s; calls started "
+                    f"{x.get('listener_calls_started')}, finished by the end of shutdown "
+                    f"{x['listener_calls_done_by_shutdown']}"
+                )
+            if x.get("shutdown_log"):
+                notes.append(f"- {variant}, {kind} run, shutdown log: `{x['shutdown_log'][:400]}`")
+            for line in x.get("log") or []:
+                if "did not return within" in line:
+                    notes.append(f"- {variant}, {kind} run, timeout log: `{line[:300]}`")
+                    break
     return table(
         [
             "tree",
             "listeners run on",
-            "listener s",
-            "FAILED events in the step",
-            "scheduler step s",
-            "extra s (vs no-op listener)",
-            "listener calls finished within the step",
+            "run",
+            "FAILED events",
+            "first loop iteration s (the step)",
+            "extra s (vs no-op)",
+            "loop iterations / longest later one s",
+            "loop s (until every call finished)",
+            "oldest job heartbeat age s",
+            "calls finished within the step",
+            "failed tries with 1 call / with more",
+            "TIs called in try order",
+            "calls seeing the committed row",
+            "calls at once (max)",
             "shutdown wait s",
-            "listener calls finished by the end of shutdown",
+            "timeout logs",
             "TI states after",
             "errors",
         ],
         rows,
-    )
+    ) + ("\n\n" + "\n".join(notes) if notes else "")
 
 
 def matrix_section(backend: str) -> str:
@@ -469,12 +501,17 @@ def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[st
         out += [
             "## 5. A slow `on_task_instance_failed` listener and the scheduler loop (issue 17)",
             "",
-            "One scheduler step: N FAILED executor events through `_process_executor_events` in "
-            "`create_session()`, run as `SchedulerJobRunner._execute` runs its loop (inside "
-            "`runner.failure_listeners_in_background()` where the tree has it), once with a no-op listener "
-            "and once with a listener sleeping L s. Extra = step with the slow listener - step with the "
-            "no-op one: what the listener adds to one loop iteration (and to the scheduler job's "
-            "heartbeat age). Shutdown wait: the series waits up to 5 s for queued calls, then logs them.",
+            "N FAILED executor events (worker heartbeats an hour old) handled in the first iteration of a loop "
+            "run as `SchedulerJobRunner._execute` runs it (inside `runner.failure_listeners_in_background()` "
+            "where the tree has it): each iteration heartbeats the scheduler job (`perform_heartbeat`, "
+            "only if necessary) and runs `_process_executor_events`; the loop goes on, waiting up to 1 s "
+            "between iterations, until every listener call finished. Extra = first iteration with the "
+            "L-second listener - first iteration with the no-op one. Oldest job heartbeat age: a second "
+            "connection polls `job.latest_heartbeat` every 0.25 s during the loop. Calls: each failed try's "
+            "calls counted, the try order per TI, whether the task instance the listener got matches the "
+            "TI row its own session reads (id, state, try: the committed state). Hang run: the first call "
+            "waits for the hang, the others take 1 s, the block is left after the first iteration "
+            "(the series' shutdown waits 5 s and logs what was pending; its timeout logs are shown).",
             "",
             slow_listener_table(res),
             "",
@@ -523,6 +560,10 @@ def main() -> int:
     )
     p.add_argument("--slow-listener", type=float, default=10.0, help="benchmark 5: listener seconds")
     p.add_argument("--slow-failures", type=int, default=100, help="benchmark 5: FAILED events in one step")
+    p.add_argument(
+        "--slow-hang", type=float, default=0.0, help="benchmark 5: a run whose first call hangs this long"
+    )
+    p.add_argument("--slow-hang-timeout", type=float, default=2.0, help="benchmark 5: listener timeout there")
     p.add_argument(
         "--stale-heartbeats",
         action="store_true",
@@ -592,6 +633,10 @@ def main() -> int:
                     str(args.slow_listener),
                     "--slow-failures",
                     str(args.slow_failures),
+                    "--slow-hang",
+                    str(args.slow_hang),
+                    "--slow-hang-timeout",
+                    str(args.slow_hang_timeout),
                 ]
                 load = "%.2f %.2f %.2f" % os.getloadavg()
                 proc = subprocess.run(cmd, env=env)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import random
@@ -584,49 +585,234 @@ def bench_concurrent(
 
 
 # =============================================================================================
-def bench_slow_listener(latency: float, n: int) -> list[dict]:
+class DeliveryListener:
     """
-    Issue 17, target 4: the scheduler loop's extra time with a slow ``on_task_instance_failed``
-    listener. One scheduler step handles ``n`` FAILED executor events (``_process_executor_events``
-    in ``create_session()``, one DAG run of ``n`` tasks, ``retries=1``), run the way
-    ``SchedulerJobRunner._execute`` runs its loop: inside ``runner.failure_listeners_in_background()``
-    where the tree has it (the series), plainly otherwise (the base). Measured once with a no-op
-    listener and once with a listener sleeping ``latency`` s; extra = slow step - no-op step. The
-    shutdown of the background calls (series) is timed apart and is not part of the step.
+    ``on_task_instance_failed`` for benchmark 5: sleeps ``latency`` seconds (the first call waits
+    up to ``hang_first`` s on ``release`` instead: a hung listener) and records, per call, which
+    try it was called for, what the task instance it got says, and what the database says about
+    that TI row at the start of the call (read through ``create_session()``, as listeners do).
+    """
+
+    def __init__(self) -> None:
+        self.latency = 0.0
+        self.hang_first = 0.0
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.calls: list[dict] = []
+        self.active = 0
+        self.max_active = 0
+        self.all_done = threading.Event()
+        self.expected = 0
+
+    def reset(self, latency: float, expected: int, hang_first: float = 0.0) -> None:
+        with self.lock:
+            self.latency, self.expected, self.hang_first = latency, expected, hang_first
+            self.calls, self.active, self.max_active = [], 0, 0
+            self.release = threading.Event()
+            self.all_done = threading.Event()
+
+    @hookimpl
+    def on_task_instance_failed(self, previous_state, task_instance, error):
+        start = time.perf_counter()
+        with self.lock:
+            n = len(self.calls)
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+            call = {
+                "n": n,
+                "start": start,
+                "end": None,
+                "thread": threading.get_ident(),
+                "key": (
+                    task_instance.dag_id,
+                    task_instance.task_id,
+                    task_instance.run_id,
+                    task_instance.map_index,
+                ),
+                "try_number": task_instance.try_number,
+                "id": str(task_instance.id),
+                "state": str(task_instance.state),
+                "end_date": str(task_instance.end_date),
+            }
+            self.calls.append(call)
+        try:
+            with create_session() as s:
+                row = s.execute(
+                    select(TI.id, TI.state, TI.try_number, TI.end_date).where(
+                        TI.dag_id == task_instance.dag_id,
+                        TI.task_id == task_instance.task_id,
+                        TI.run_id == task_instance.run_id,
+                        TI.map_index == task_instance.map_index,
+                    )
+                ).one()
+            call["db"] = (str(row.id), str(row.state), row.try_number, str(row.end_date))
+            if n == 0 and self.hang_first:
+                self.release.wait(self.hang_first)
+            elif self.latency:
+                time.sleep(self.latency)
+        finally:
+            with self.lock:
+                call["end"] = time.perf_counter()
+                self.active -= 1
+                if sum(1 for c in self.calls if c["end"] is not None) >= self.expected:
+                    self.all_done.set()
+
+
+DELIVERY = DeliveryListener()
+get_listener_manager().add_listener(DELIVERY)
+
+
+class HeartbeatAge(threading.Thread):
+    """
+    Polls the scheduler job's ``latest_heartbeat`` every 0.25 s on a connection of its own, as
+    the health check reads it, and keeps the oldest age seen (now - latest_heartbeat).
+    """
+
+    def __init__(self, job_id: int) -> None:
+        super().__init__(daemon=True, name="heartbeat-age")
+        self.job_id = job_id
+        self.stop = threading.Event()
+        self.max_age = 0.0
+        self.samples = 0
+
+    def run(self) -> None:
+        from airflow.jobs.job import Job
+
+        with settings.engine.connect() as conn:
+            while not self.stop.wait(0.25):
+                hb = conn.execute(select(Job.latest_heartbeat).where(Job.id == self.job_id)).scalar()
+                conn.rollback()
+                if hb is None:
+                    continue
+                if hb.tzinfo is None:
+                    hb = hb.replace(tzinfo=tz.utc)
+                self.max_age = max(self.max_age, (tz.utcnow() - hb).total_seconds())
+                self.samples += 1
+
+
+class LogCapture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(f"{record.levelname} {record.getMessage()}")
+
+
+def _delivery_figures(n: int) -> dict:
+    """Exactly once per failed try, order per TI, committed state seen: from DELIVERY's records."""
+    from collections import Counter, defaultdict
+
+    calls = list(DELIVERY.calls)
+    per_try = Counter((c["key"], c["try_number"]) for c in calls)
+    tries_per_ti: dict = defaultdict(list)
+    for c in sorted(calls, key=lambda c: c["start"]):
+        tries_per_ti[c["key"]].append(c["try_number"])
+    return {
+        "calls": len(calls),
+        "failed_tries": n,
+        "tries_with_one_call": sum(1 for v in per_try.values() if v == 1),
+        "tries_with_more_calls": sum(1 for v in per_try.values() if v > 1),
+        "tis_called_in_try_order": sum(1 for v in tries_per_ti.values() if v == sorted(v)),
+        "calls_seeing_committed_row": sum(
+            1
+            for c in calls
+            if c.get("db")
+            and c["db"][:3] == (c["id"], c["state"], c["try_number"])
+            and c["state"] != "running"
+        ),
+        "states_seen": dict(Counter(c["state"] for c in calls)),
+        "max_calls_at_once": DELIVERY.max_active,
+        "off_scheduler_thread": sum(1 for c in calls if c["thread"] != threading.get_ident()),
+    }
+
+
+def bench_slow_listener(latency: float, n: int, hang: float = 0.0, hang_timeout: float = 2.0) -> list[dict]:
+    """
+    Issue 17, target 4: the scheduler loop with a slow ``on_task_instance_failed`` listener. One DAG
+    run of ``n`` tasks (``retries=1``) RUNNING; ``n`` FAILED executor events are handled in the first
+    iteration of a loop run the way ``SchedulerJobRunner._execute`` runs its loop (inside
+    ``runner.failure_listeners_in_background()`` where the tree has it, the series; plainly on the
+    base): each iteration heartbeats the scheduler job (``perform_heartbeat(..., only_if_necessary=True)``
+    as ``_run_scheduler_loop`` does) and runs ``_process_executor_events`` in ``create_session()``;
+    between iterations it waits up to 1 s (the loop's idle sleep) for the listener calls to finish.
+    The loop runs until every failed try's call finished (or ``n * latency + 120`` s). A second
+    connection polls the job's ``latest_heartbeat`` (``HeartbeatAge``). Measured once with a no-op
+    listener and once with a listener sleeping ``latency`` s: extra = first iteration (slow) - first
+    iteration (no-op). With ``hang`` > 0 a third run: ``min(n, 10)`` failures, the first call hangs
+    (waits ``hang`` s), the others take 1 s each, ``task_instance_failed_listener_timeout`` =
+    ``hang_timeout``; the block is left right after the first iteration, so the shutdown (5 s) finds
+    calls pending and logs them.
     """
     import contextlib
+
+    from airflow.jobs.job import perform_heartbeat
 
     H.clear_db()
     runner = H.make_runner()
     with settings.NonScopedSession() as s:
         dag = H.write_dag("bench_slow_listener", n, retries=1, session=s)
     background = getattr(runner, "failure_listeners_in_background", None)
+    capture = LogCapture()
+    logging.getLogger("airflow.listeners.background").addHandler(capture)
+    logging.getLogger("airflow.listeners.background").setLevel(logging.INFO)
     out = []
-    for run_no, lat in enumerate([0.0, latency]):
-        LISTENER.latency = lat
-        LISTENER.calls.clear()
+    runs = [("noop", 0.0, n), ("slow", latency, n)] + ([("hang", 1.0, min(n, 10))] if hang else [])
+    for run_no, (kind, lat, n_ev) in enumerate(runs):
+        DELIVERY.reset(lat, n_ev, hang_first=hang if kind == "hang" else 0.0)
+        capture.records.clear()
+        os.environ["AIRFLOW__SCHEDULER__TASK_INSTANCE_FAILED_LISTENER_TIMEOUT"] = (
+            str(hang_timeout) if kind == "hang" else "60"
+        )
         H.reset_executor(runner.executor)
         with settings.NonScopedSession() as s:
             (dr,) = H.create_runs(dag, 1, session=s, start=run_no)
+            # The workers are gone (heartbeats an hour old), as after a mass worker loss: the series'
+            # patch 17 would otherwise hold FAILED events of tries with a recent heartbeat.
             H.set_running(
-                s, (TI.dag_id == dag.dag_id, TI.run_id == dr.run_id), job_id=runner.job.id, heartbeat_age_s=0
+                s,
+                (TI.dag_id == dag.dag_id, TI.run_id == dr.run_id),
+                job_id=runner.job.id,
+                heartbeat_age_s=3600,
             )
-            for ti in s.scalars(select(TI).where(TI.dag_id == dag.dag_id, TI.run_id == dr.run_id)):
+            tis = s.scalars(select(TI).where(TI.dag_id == dag.dag_id, TI.run_id == dr.run_id)).all()
+            for ti in tis[:n_ev]:
                 runner.executor.event_buffer[ti.key] = (FAILED, None)
         settings.Session.remove()
+        runner.job.heartbeat(heartbeat_callback=runner.heartbeat_callback)  # the loop's age starts at 0
+        monitor = HeartbeatAge(runner.job.id)
+        monitor.start()
         err = None
+        iterations: list[float] = []
         ctx = background() if background is not None else contextlib.nullcontext()
         ctx.__enter__()
         t0 = time.perf_counter()
+        deadline = t0 + n_ev * lat + 120
         try:
-            with create_session() as session:
-                runner._process_executor_events(runner.executor, session)
+            while True:
+                it0 = time.perf_counter()
+                perform_heartbeat(
+                    runner.job, heartbeat_callback=runner.heartbeat_callback, only_if_necessary=True
+                )
+                with create_session() as session:
+                    runner._process_executor_events(runner.executor, session)
+                iterations.append(time.perf_counter() - it0)
+                if kind == "hang" or DELIVERY.all_done.is_set() or time.perf_counter() > deadline:
+                    break
+                DELIVERY.all_done.wait(1.0)
         except Exception as e:
             err = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         t1 = time.perf_counter()
-        done_in_step = sum(1 for c in LISTENER.calls if c[1] <= t1)
+        done_in_first = (
+            sum(1 for c in DELIVERY.calls if c["end"] is not None and c["end"] <= t0 + iterations[0])
+            if iterations
+            else 0
+        )
         ctx.__exit__(None, None, None)
         t2 = time.perf_counter()
+        monitor.stop.set()
+        monitor.join(10)
+        DELIVERY.release.set()  # let a hung call return
         with settings.NonScopedSession() as s:
             states = dict(
                 s.execute(
@@ -635,20 +821,41 @@ def bench_slow_listener(latency: float, n: int) -> list[dict]:
                     .group_by(TI.state)
                 ).all()
             )
-        out.append(
-            {
-                "latency": lat,
-                "failures": n,
-                "background": background is not None,
-                "step_seconds": t1 - t0,
-                "listener_calls_done_in_step": done_in_step,
-                "listener_calls_done_by_shutdown": len(LISTENER.calls),
-                "shutdown_seconds": t2 - t1,
-                "states": {str(k): v for k, v in states.items()},
-                "error": err,
-            }
+        starts = sorted(c["start"] for c in DELIVERY.calls)
+        rec = {
+            "kind": kind,
+            "latency": lat,
+            "failures": n_ev,
+            "background": background is not None,
+            "step_seconds": iterations[0] if iterations else None,
+            "loop_iterations": len(iterations),
+            "max_later_iteration_seconds": max(iterations[1:], default=None),
+            "loop_seconds": t1 - t0,
+            "max_heartbeat_age_seconds": monitor.max_age,
+            "heartbeat_samples": monitor.samples,
+            "listener_calls_done_in_step": done_in_first,
+            "listener_calls_done_by_shutdown": sum(
+                1 for c in DELIVERY.calls if c["end"] is not None and c["end"] <= t2
+            ),
+            "listener_calls_started": len(DELIVERY.calls),
+            "shutdown_seconds": t2 - t1,
+            "delivery": _delivery_figures(n_ev),
+            "states": {str(k): v for k, v in states.items()},
+            "error": err,
+            "log": capture.records[:20],
+            "timeout_logs": sum(1 for r in capture.records if "did not return within" in r),
+            "shutdown_log": next((r for r in capture.records if "Shutting down with" in r), None),
+        }
+        if kind == "hang":
+            rec["hang_timeout"] = hang_timeout
+            rec["first_to_second_call_start_seconds"] = starts[1] - starts[0] if len(starts) > 1 else None
+        out.append(rec)
+        print(
+            f"[slow_listener] {json.dumps({k: v for k, v in rec.items() if k != 'log'}, default=str)}",
+            flush=True,
         )
-        print(f"[slow_listener] {out[-1]}", flush=True)
+    logging.getLogger("airflow.listeners.background").removeHandler(capture)
+    os.environ.pop("AIRFLOW__SCHEDULER__TASK_INSTANCE_FAILED_LISTENER_TIMEOUT", None)
     return out
 
 
@@ -678,6 +885,12 @@ def main() -> int:
     p.add_argument("--stale-heartbeats", action="store_true", help="concurrent: TIs' heartbeats timed out")
     p.add_argument("--slow-listener", type=float, default=10.0, help="slowlistener: listener seconds")
     p.add_argument("--slow-failures", type=int, default=100, help="slowlistener: failures in one step")
+    p.add_argument(
+        "--slow-hang", type=float, default=0.0, help="slowlistener: a hung first call waits this long"
+    )
+    p.add_argument(
+        "--slow-hang-timeout", type=float, default=2.0, help="slowlistener: listener timeout in the hang run"
+    )
     args = p.parse_args()
     random.seed(args.seed)
     only = set(args.only.split(","))
@@ -732,7 +945,9 @@ def main() -> int:
             errors["concurrent"] = traceback.format_exc()
     if "slowlistener" in only:
         try:
-            result["slow_listener"] = bench_slow_listener(args.slow_listener, args.slow_failures)
+            result["slow_listener"] = bench_slow_listener(
+                args.slow_listener, args.slow_failures, args.slow_hang, args.slow_hang_timeout
+            )
         except Exception:
             errors["slowlistener"] = traceback.format_exc()
     result["errors"] = errors

@@ -21,6 +21,7 @@ import threading
 
 import pytest
 from sqlalchemy import select
+from sqlalchemy.orm import object_session
 
 from airflow.listeners import hookimpl
 from airflow.models.taskinstance import TaskInstance as TI
@@ -63,18 +64,26 @@ class BlockingListener:
         self.started: list[threading.Event] = [threading.Event() for _ in range(10)]
         self.returned: list[threading.Event] = [threading.Event() for _ in range(10)]
         self.gave_up = 0
+        self.active = 0
+        self.max_active = 0  # calls running at the same time, at most
 
     @hookimpl
     def on_task_instance_failed(self, previous_state, task_instance, error):
         with self.lock:
             n = len(self.calls)
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+            ti_session = object_session(task_instance)
             call = {
                 "thread": threading.get_ident(),
                 "ti_id": task_instance.id,
                 "task_id": task_instance.task_id,
                 "try_number": task_instance.try_number,
                 "state": task_instance.state,
+                "end_date": task_instance.end_date,
                 "previous_state": previous_state,
+                "error": error,
+                "ti_session": None if ti_session is None else id(ti_session),
                 "has_task": task_instance.__dict__.get("task") is not None,
             }
             self.calls.append(call)
@@ -86,7 +95,7 @@ class BlockingListener:
             with create_session() as s:
                 call["session"] = id(s)
                 call["db"] = s.execute(
-                    select(TI.id, TI.state, TI.try_number).where(
+                    select(TI.id, TI.state, TI.try_number, TI.end_date).where(
                         TI.dag_id == task_instance.dag_id,
                         TI.task_id == task_instance.task_id,
                         TI.run_id == task_instance.run_id,
@@ -94,6 +103,8 @@ class BlockingListener:
                 ).one()
             call["dag_run_id"] = task_instance.dag_run.run_id
         finally:
+            with self.lock:
+                self.active -= 1
             self.returned[n].set()
 
 
@@ -139,8 +150,16 @@ def test_executor_events_return_while_the_failure_listener_blocks(
         assert listener.returned[2].wait(WAIT)
 
     assert listener.gave_up == 0
+    assert listener.max_active == 1, "calls overlapped though none overran the timeout"
     assert [c["task_id"] for c in listener.calls] == ["sensor"] * 3
-    assert [c["db"] for c in listener.calls] == [(c["ti_id"], UP_FOR_RETRY, 1) for c in listener.calls]
+    assert [c["db"] for c in listener.calls] == [
+        (c["ti_id"], UP_FOR_RETRY, 1, c["end_date"]) for c in listener.calls
+    ]
+    assert all(c["end_date"] is not None for c in listener.calls)
+    # a copy attached to a session of the listener thread, not the scheduler's object or session
+    assert all(c["ti_session"] not in (None, id(session)) for c in listener.calls)
+    # the error argument is the one failure handling got (the scheduler's executor-event message)
+    assert all("reported that the task instance" in c["error"] for c in listener.calls)
     assert [(c["state"], c["try_number"], c["previous_state"]) for c in listener.calls] == [
         (UP_FOR_RETRY, 1, TaskInstanceState.RUNNING)
     ] * 3
@@ -186,6 +205,7 @@ def test_every_failed_try_gets_one_call_in_order(dag_maker, session, scheduler_j
         assert listener.returned[2].wait(WAIT)
 
     assert listener.gave_up == 0
+    assert listener.max_active == 1
     assert [(c["try_number"], c["state"]) for c in listener.calls] == [
         (1, UP_FOR_RETRY),
         (2, UP_FOR_RETRY),
@@ -200,24 +220,31 @@ def test_a_hung_listener_is_bounded_by_the_timeout(
 ):
     """
     The first call hangs (blocked until the test ends); with a 0.5 s timeout the second failure's
-    call must start while the first is still blocked, and the hung call is logged. Before: the
-    scheduler's step waited for the first call.
+    call must start (and finish) while the first is still blocked, and the hung call is logged. The
+    shutdown, while the abandoned call still runs, does not wait for it nor list it again; released
+    afterwards, it returns (its thread kept running). Before: the scheduler's step waited for the
+    first call.
     """
     monkeypatch.setenv("AIRFLOW__SCHEDULER__TASK_INSTANCE_FAILED_LISTENER_TIMEOUT", "0.5")
     runner = scheduler_job_runner
     failed_events(dag_maker, session, runner, "bg_hung", 2)
-    caplog.set_level(logging.ERROR, logger="airflow.listeners.background")
-    with in_background(runner):
-        runner._process_executor_events(executor=runner.executor, session=session)
-        session.commit()
-        assert listener.returned[1].wait(WAIT), "the second call did not run"
-        assert not listener.returned[0].is_set(), "the first call returned: it was not hung"
+    caplog.set_level(logging.WARNING, logger="airflow.listeners.background")
+    try:
+        with in_background(runner):
+            runner._process_executor_events(executor=runner.executor, session=session)
+            session.commit()
+            assert listener.returned[1].wait(WAIT), "the second call did not run"
+            assert not listener.returned[0].is_set(), "the first call returned: it was not hung"
+        # shut down while the abandoned call still runs: logged at its timeout, not listed again
+        assert not listener.returned[0].is_set()
+    finally:
         listener.release.set()
-        assert listener.returned[0].wait(WAIT)
+    assert listener.returned[0].wait(WAIT), "the abandoned call did not go on running"
 
     assert listener.gave_up == 0
     assert len(listener.calls) == 2
     assert "did not return within 0.5 s" in caplog.text
+    assert "Shutting down with" not in caplog.text
 
 
 @pytest.mark.proves(P_BACKGROUND)
@@ -230,6 +257,8 @@ def test_scheduler_loop_shutdown_logs_pending_listener_calls(
     short shutdown wait) and log both calls as not finished at shutdown; the second is not run.
     Before: the loop waited for the listener (until it gave up after BLOCK seconds).
     """
+    from airflow.configuration import conf
+
     runner = scheduler_job_runner
     runner.num_runs = 1
     runner.failure_listener_shutdown_timeout = 0.2
@@ -245,9 +274,12 @@ def test_scheduler_loop_shutdown_logs_pending_listener_calls(
     assert len(listener.calls) == 1, "a call queued at shutdown ran"
     assert "Shutting down with 2 on_task_instance_failed call(s) not finished" in caplog.text
     for ti in tis:
-        assert f"{ti.dag_id}.{ti.task_id} run_id={ti.run_id}" in caplog.text
+        assert f"{ti.dag_id}.{ti.task_id} run_id={ti.run_id} map_index=-1 try 1 " in caplog.text
     rows = session.execute(select(TI.state).where(TI.dag_id.in_([ti.dag_id for ti in tis]))).scalars().all()
     assert rows == [UP_FOR_RETRY, UP_FOR_RETRY]
+    # the defaults the patch message states: 60 s per call, 5 s at shutdown
+    assert conf.getfloat("scheduler", "task_instance_failed_listener_timeout") == 60.0
+    assert type(runner).failure_listener_shutdown_timeout == 5.0
 
 
 class ChangingListener(BlockingListener):
