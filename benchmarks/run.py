@@ -198,14 +198,14 @@ def phase_table(b: list[dict], s: list[dict]) -> str:
         return ""
     rows = []
     for n in sorted({r["n"] for r in b + s}):
-        for tree, rs in (("base", b), ("series", s)):
+        for variant, rs in (("base", b), ("series", s)):
             for i, r in enumerate(x for x in rs if x["n"] == n and "phase_pass" in x):
                 p, f = r["phase_pass"], r["phase_followup"]
                 cpu_p, cpu_f = p["cpu_user_s"] + p["cpu_sys_s"], f["cpu_user_s"] + f["cpu_sys_s"]
                 rows.append(
                     [
                         n,
-                        tree,
+                        variant,
                         i + 1,
                         r.get("load_before", "?").split()[0],
                         f"{p['wall_s'] + f['wall_s']:.1f}",

@@ -205,9 +205,10 @@ def bench_purge(sizes: list[int], repeats: dict[int, int]) -> list[dict]:
             H.reset_executor(runner.executor)
             settings.Session.remove()
             load_before = "%.2f %.2f %.2f" % os.getloadavg()
-            with H.SqlCounter(settings.engine, threads={threading.get_ident()}) as c, H.PhaseMeter(
-                settings.engine
-            ) as pm:
+            with (
+                H.SqlCounter(settings.engine, threads={threading.get_ident()}) as c,
+                H.PhaseMeter(settings.engine) as pm,
+            ):
                 t0 = time.perf_counter()
                 runner._find_and_purge_task_instances_without_heartbeats()
                 dt = time.perf_counter() - t0
@@ -217,9 +218,10 @@ def bench_purge(sizes: list[int], repeats: dict[int, int]) -> list[dict]:
             # the scheduler loop's next `_process_executor_events` would. On the base this is where the
             # TIs are actually failed (as "killed externally"); with the series they left RUNNING already.
             events = len(runner.executor.event_buffer)
-            with H.SqlCounter(settings.engine, threads={threading.get_ident()}) as f, H.PhaseMeter(
-                settings.engine
-            ) as fm:
+            with (
+                H.SqlCounter(settings.engine, threads={threading.get_ident()}) as f,
+                H.PhaseMeter(settings.engine) as fm,
+            ):
                 t0 = time.perf_counter()
                 with create_session() as session:
                     runner._process_executor_events(runner.executor, session)
