@@ -174,11 +174,14 @@ class SqlCounter:
     lock_waits: int = 0
     lock_wait_s: float = 0.0
     lock_spans: list[tuple[float, float]] = field(default_factory=list)
+    exec_s: float = 0.0  # wall time inside the driver's execute (before -> after_cursor_execute)
+    exec_cpu_s: float = 0.0  # this thread's CPU time inside it
     txn_spans: list[tuple[float, float]] = field(default_factory=list)
     first_lock_at: float | None = None
     _lock_open: float | None = None
     _txn_open: float | None = None
     _t0: dict = field(default_factory=dict)
+    _c0: dict = field(default_factory=dict)
     on_lock: Any = None
 
     def _mine(self) -> bool:
@@ -188,11 +191,16 @@ class SqlCounter:
         if self._mine():
             self.statements += 1
             self._t0[id(cursor)] = time.perf_counter()
+            self._c0[id(cursor)] = time.thread_time()
 
     def _after(self, conn, cursor, statement, parameters, context, executemany):
         if not self._mine():
             return
         t0 = self._t0.pop(id(cursor), None)
+        c0 = self._c0.pop(id(cursor), None)
+        if t0 is not None:
+            self.exec_s += time.perf_counter() - t0
+            self.exec_cpu_s += time.thread_time() - c0
         up = statement.upper()
         if up.lstrip().startswith("SELECT") and any(k in up for k in LOCKING):
             now = time.perf_counter()
@@ -250,6 +258,70 @@ class SqlCounter:
 
         for name, fn in self._handlers:
             event.remove(self.engine, name, fn)
+
+
+class PhaseMeter:
+    """
+    Wall and CPU time of one phase of this process (``getrusage``: user + sys of all its threads,
+    voluntary context switches = the process blocked, e.g. on fsync or I/O; involuntary ones = it was
+    preempted by other processes), plus the time spent in the DBAPI connection's ``commit`` (the
+    dialect's ``do_commit``, wrapped while the phase runs: wall and this thread's CPU).
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.commit_s = 0.0
+        self.commit_cpu_s = 0.0
+        self.commit_calls = 0
+
+    def __enter__(self) -> PhaseMeter:
+        import resource
+
+        dialect = self.engine.dialect
+        orig = type(dialect).do_commit
+
+        def do_commit(dbapi_connection, _orig=orig, _dialect=dialect):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return _orig(_dialect, dbapi_connection)
+            finally:
+                self.commit_s += time.perf_counter() - t0
+                self.commit_cpu_s += time.thread_time() - c0
+                self.commit_calls += 1
+
+        dialect.do_commit = do_commit  # instance attribute: shadows the class's method while the phase runs
+        self._r0 = resource.getrusage(resource.RUSAGE_SELF)
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import resource
+
+        self.wall_s = time.perf_counter() - self._t0
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        del self.engine.dialect.do_commit
+        self.user_s = r1.ru_utime - self._r0.ru_utime
+        self.sys_s = r1.ru_stime - self._r0.ru_stime
+        self.vcsw = r1.ru_nvcsw - self._r0.ru_nvcsw
+        self.ivcsw = r1.ru_nivcsw - self._r0.ru_nivcsw
+        self.oublock = r1.ru_oublock - self._r0.ru_oublock
+
+    def figures(self, counter: SqlCounter | None = None) -> dict:
+        out = {
+            "wall_s": self.wall_s,
+            "cpu_user_s": self.user_s,
+            "cpu_sys_s": self.sys_s,
+            "vol_ctx_switches": self.vcsw,
+            "invol_ctx_switches": self.ivcsw,
+            "fs_out_blocks": self.oublock,
+            "commit_s": self.commit_s,
+            "commit_cpu_s": self.commit_cpu_s,
+            "commit_calls": self.commit_calls,
+        }
+        if counter is not None:
+            out["exec_s"] = counter.exec_s
+            out["exec_cpu_s"] = counter.exec_cpu_s
+        return out
 
 
 class StatementRecorder:

@@ -61,7 +61,7 @@ with settings.NonScopedSession() as s:
         heartbeat_age_s=runner._task_instance_heartbeat_timeout_secs + 3600,
     )  # fmt: skip
 settings.Session.remove()
-prof = cProfile.Profile()
+prof = cProfile.Profile(time.process_time) if os.environ.get("PROFILE_TIMER") == "cpu" else cProfile.Profile()
 by_statement: dict[str, list[float]] = {}  # statement (as the trace scripts shorten it) -> [count, seconds]
 started: list[float] = []
 
@@ -79,7 +79,7 @@ def after(conn, cursor, statement, parameters, context, executemany):
 
 event.listen(settings.engine, "before_cursor_execute", before)
 event.listen(settings.engine, "after_cursor_execute", after)
-with H.SqlCounter(settings.engine, threads={threading.get_ident()}) as c:
+with H.SqlCounter(settings.engine, threads={threading.get_ident()}) as c, H.PhaseMeter(settings.engine) as pm:
     t0, cpu0, server0 = time.perf_counter(), time.process_time(), server_cpu()
     if dump != "-":
         prof.enable()
@@ -93,6 +93,13 @@ server = f", {server1 - server0:.2f} s CPU of its server backends" if server0 is
 print(
     f"N={got}: {wall:.2f} s wall, {cpu:.2f} s CPU of this process{server}, {c.statements} statements, "
     f"{c.commits} commits"
+)
+ph = pm.figures(c)
+print(
+    f"CPU user {ph['cpu_user_s']:.2f} + sys {ph['cpu_sys_s']:.2f} s; driver execute {ph['exec_s']:.2f} s "
+    f"(CPU {ph['exec_cpu_s']:.2f}); commit {ph['commit_s']:.2f} s (CPU {ph['commit_cpu_s']:.2f}, "
+    f"{ph['commit_calls']} calls); context switches voluntary {ph['vol_ctx_switches']} / involuntary "
+    f"{ph['invol_ctx_switches']}; blocks written {ph['fs_out_blocks']}"
 )
 print("statement time (driver call, s), top 8:")
 for key, (count, seconds) in sorted(by_statement.items(), key=lambda kv: -kv[1][1])[:8]:
@@ -112,4 +119,5 @@ print(
 )
 out = io.StringIO()
 pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(40)
 print(out.getvalue())

@@ -188,6 +188,59 @@ def purge_table(res: dict[str, dict]) -> str:
         "(on the base, that is where the TIs are actually failed, as “killed externally”; the base also "
         "re-sends the callback on every later scan while the TI stays RUNNING, not counted here).\n\n"
         + with_events
+        + phase_table(b, s)
+    )
+
+
+def phase_table(b: list[dict], s: list[dict]) -> str:
+    """Per repeat (in run order within each tree): wall and CPU per phase, if the worker recorded them."""
+    if not any("phase_pass" in r for r in b + s):
+        return ""
+    rows = []
+    for n in sorted({r["n"] for r in b + s}):
+        for variant, rs in (("base", b), ("series", s)):
+            for i, r in enumerate(x for x in rs if x["n"] == n and "phase_pass" in x):
+                p, f = r["phase_pass"], r["phase_followup"]
+                cpu_p, cpu_f = p["cpu_user_s"] + p["cpu_sys_s"], f["cpu_user_s"] + f["cpu_sys_s"]
+                rows.append(
+                    [
+                        n,
+                        variant,
+                        i + 1,
+                        r.get("load_before", "?").split()[0],
+                        f"{p['wall_s'] + f['wall_s']:.1f}",
+                        f"{cpu_p + cpu_f:.2f}",
+                        f"{p['wall_s']:.1f} / {cpu_p:.2f}",
+                        f"{f['wall_s']:.1f} / {cpu_f:.2f}",
+                        f"{p['exec_s'] + f['exec_s']:.2f} / {p['exec_cpu_s'] + f['exec_cpu_s']:.2f}",
+                        f"{p['commit_s'] + f['commit_s']:.2f} / {p['commit_cpu_s'] + f['commit_cpu_s']:.2f} "
+                        f"({p['commit_calls'] + f['commit_calls']})",
+                        f"{p['vol_ctx_switches'] + f['vol_ctx_switches']} / "
+                        f"{p['invol_ctx_switches'] + f['invol_ctx_switches']}",
+                    ]
+                )
+    return (
+        "\n\nWhere the time went, per repeat (each tree's repeats in run order; the trees alternated): wall "
+        "and CPU time (user + sys of the worker process, `getrusage`), for the pass and for its executor "
+        "events; ‘driver execute’ = inside the DBAPI cursor's `execute` (wall / this thread's CPU), "
+        "‘commit’ = inside the DBAPI connection's `commit` (wall / CPU, calls); context switches: voluntary "
+        "(the process blocked: fsync, I/O) / involuntary (preempted by other processes).\n\n"
+        + table(
+            [
+                "N TIs",
+                "tree",
+                "repeat",
+                "load (1 min) before",
+                "wall s, pass + events",
+                "CPU s, pass + events",
+                "pass: wall / CPU s",
+                "events: wall / CPU s",
+                "driver execute: wall / CPU s",
+                "commit: wall / CPU s (calls)",
+                "context switches vol / invol",
+            ],
+            rows,
+        )
     )
 
 

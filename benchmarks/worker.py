@@ -205,7 +205,11 @@ def bench_purge(sizes: list[int], repeats: dict[int, int]) -> list[dict]:
             assert got == n, (got, n)
             H.reset_executor(runner.executor)
             settings.Session.remove()
-            with H.SqlCounter(settings.engine, threads={threading.get_ident()}) as c:
+            load_before = "%.2f %.2f %.2f" % os.getloadavg()
+            with (
+                H.SqlCounter(settings.engine, threads={threading.get_ident()}) as c,
+                H.PhaseMeter(settings.engine) as pm,
+            ):
                 t0 = time.perf_counter()
                 runner._find_and_purge_task_instances_without_heartbeats()
                 dt = time.perf_counter() - t0
@@ -215,7 +219,10 @@ def bench_purge(sizes: list[int], repeats: dict[int, int]) -> list[dict]:
             # the scheduler loop's next `_process_executor_events` would. On the base this is where the
             # TIs are actually failed (as "killed externally"); with the series they left RUNNING already.
             events = len(runner.executor.event_buffer)
-            with H.SqlCounter(settings.engine, threads={threading.get_ident()}) as f:
+            with (
+                H.SqlCounter(settings.engine, threads={threading.get_ident()}) as f,
+                H.PhaseMeter(settings.engine) as fm,
+            ):
                 t0 = time.perf_counter()
                 with create_session() as session:
                     runner._process_executor_events(runner.executor, session)
@@ -245,6 +252,10 @@ def bench_purge(sizes: list[int], repeats: dict[int, int]) -> list[dict]:
                     "followup_commits": f.commits,
                     "running_after_followup": running_after,
                     "callback_rows_after_followup": cb_after,
+                    "phase_pass": pm.figures(c),
+                    "phase_followup": fm.figures(f),
+                    "load_before": load_before,
+                    "load_after": "%.2f %.2f %.2f" % os.getloadavg(),
                 }
             )
             print(
@@ -253,6 +264,14 @@ def bench_purge(sizes: list[int], repeats: dict[int, int]) -> list[dict]:
                 f"{f_dt * 1000:.0f} ms, {f.statements} stmts, {f.commits} commits, {running_after} RUNNING",
                 flush=True,
             )
+            for name, ph in (("pass", pm.figures(c)), ("events", fm.figures(f))):
+                print(
+                    f"    {name}: wall {ph['wall_s']:.2f} s, CPU user {ph['cpu_user_s']:.2f} + sys {ph['cpu_sys_s']:.2f} s; "
+                    f"driver execute {ph['exec_s']:.2f} s (CPU {ph['exec_cpu_s']:.2f}); commit {ph['commit_s']:.2f} s "
+                    f"(CPU {ph['commit_cpu_s']:.2f}, {ph['commit_calls']} calls); ctx switches vol {ph['vol_ctx_switches']} "
+                    f"/ invol {ph['invol_ctx_switches']}; load {load_before}",
+                    flush=True,
+                )
     return out
 
 
