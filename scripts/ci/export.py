@@ -581,8 +581,12 @@ def prune(text: str) -> str:
                     continue
                 edits.lines(first_line(node), node.end_lineno)  # type: ignore[arg-type]
                 changed = True
-            elif isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
-                ids = {t.id for t in node.targets}  # type: ignore[attr-defined]
+            elif isinstance(node, ast.Assign) and all(
+                isinstance(t, ast.Name)
+                or (isinstance(t, ast.Tuple | ast.List) and all(isinstance(e, ast.Name) for e in t.elts))
+                for t in node.targets
+            ):  # ``A = ...`` or ``A, B = ...``: goes when none of its names is used
+                ids = {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
                 if ids & {"pytestmark", "__all__"} or ids & used_outside(module, node):
                     continue
                 edits.lines(node.lineno, node.end_lineno)  # type: ignore[arg-type]
@@ -647,9 +651,14 @@ def find_tests(root: Path, patch: str, items: list[dict]) -> dict[str, tuple[str
                     continue
                 if origin.is_relative_to(unit):
                     fixtures.add((origin, name))
-        text, inlined, left = inliner.inline(text, path, fixtures)
+        # Pruned first: a module helper only a dropped marker used (``proves(_applied_last(...))``) goes
+        # before its project names are inlined, not after (they would be inlined, or reported left, for
+        # nothing).
+        text, inlined, left = inliner.inline(prune(text), path, fixtures)
         text = prune(text)
         module = ast.parse(text)
+        referenced = {n.id for n in ast.walk(module) if isinstance(n, ast.Name)}
+        left = [name for name in left if name.split(" ", 1)[0] in referenced]  # what prune left uses them
         defined = {n.name for n in module.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
         for it in kept:
             for name, where in it["fixtures"].items():
