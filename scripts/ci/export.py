@@ -651,14 +651,15 @@ def find_tests(root: Path, patch: str, items: list[dict]) -> dict[str, tuple[str
                     continue
                 if origin.is_relative_to(unit):
                     fixtures.add((origin, name))
-        # Pruned first: a module helper only a dropped marker used (``proves(_applied_last(...))``) goes
-        # before its project names are inlined, not after (they would be inlined, or reported left, for
-        # nothing).
-        text, inlined, left = inliner.inline(prune(text), path, fixtures)
+        text, inlined, left = inliner.inline(text, path, fixtures)
         text = prune(text)
         module = ast.parse(text)
+        # What prune dropped (a helper only a dropped marker used, e.g. ``proves(_applied_last(...))``, and
+        # what it alone pulled in from the conftest) is neither inlined nor a name left.
         referenced = {n.id for n in ast.walk(module) if isinstance(n, ast.Name)}
-        left = [name for name in left if name.split(" ", 1)[0] in referenced]  # what prune left uses them
+        left = [name for name in left if name.split(" ", 1)[0] in referenced]
+        bound = top_level(module)
+        inlined = [name for name in inlined if name.split(" ", 1)[0] in bound]
         defined = {n.name for n in module.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
         for it in kept:
             for name, where in it["fixtures"].items():
