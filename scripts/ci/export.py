@@ -581,8 +581,12 @@ def prune(text: str) -> str:
                     continue
                 edits.lines(first_line(node), node.end_lineno)  # type: ignore[arg-type]
                 changed = True
-            elif isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
-                ids = {t.id for t in node.targets}  # type: ignore[attr-defined]
+            elif isinstance(node, ast.Assign) and all(
+                isinstance(t, ast.Name)
+                or (isinstance(t, ast.Tuple | ast.List) and all(isinstance(e, ast.Name) for e in t.elts))
+                for t in node.targets
+            ):  # ``A = ...`` or ``A, B = ...``: goes when none of its names is used
+                ids = {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
                 if ids & {"pytestmark", "__all__"} or ids & used_outside(module, node):
                     continue
                 edits.lines(node.lineno, node.end_lineno)  # type: ignore[arg-type]
@@ -650,6 +654,12 @@ def find_tests(root: Path, patch: str, items: list[dict]) -> dict[str, tuple[str
         text, inlined, left = inliner.inline(text, path, fixtures)
         text = prune(text)
         module = ast.parse(text)
+        # What prune dropped (a helper only a dropped marker used, e.g. ``proves(_applied_last(...))``, and
+        # what it alone pulled in from the conftest) is neither inlined nor a name left.
+        referenced = {n.id for n in ast.walk(module) if isinstance(n, ast.Name)}
+        left = [name for name in left if name.split(" ", 1)[0] in referenced]
+        bound = top_level(module)
+        inlined = [name for name in inlined if name.split(" ", 1)[0] in bound]
         defined = {n.name for n in module.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
         for it in kept:
             for name, where in it["fixtures"].items():

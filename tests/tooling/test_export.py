@@ -504,3 +504,79 @@ def test_a_helper_computing_a_path_from_its_file_is_a_name_left(tmp_path: Path):
     text, inlined, left = export.Inliner(tmp_path).inline(text, module, set())
     assert left == ["PROJECT_ROOT (from tests/unit/conftest.py: a path from its __file__)"]
     assert "__file__" not in text
+
+
+APPLIED_LAST = """from __future__ import annotations
+
+import pytest
+
+from tests.unit.conftest import read_series
+
+PATCH = "Mine.patch"
+OTHER = "Other.patch"
+
+
+def _applied_last(*patches: str) -> str:
+    series = read_series()
+    return max(patches, key=series.index)
+
+
+@pytest.mark.proves(_applied_last(PATCH, OTHER))
+def test_proved_by_whichever_comes_last(session):
+    assert True
+"""
+APPLIED_LAST_CONFTEST = """from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _base_queue():
+    return "3.3.2", PROJECT_ROOT / "patches" / "series"
+
+
+BASE_VERSION, SERIES_FILE = _base_queue()
+
+
+def read_series():
+    return SERIES_FILE.read_text().split()
+"""
+
+
+def test_a_helper_only_a_dropped_marker_used_is_not_inlined_nor_its_names_left(tmp_path: Path):
+    """``@pytest.mark.proves(_applied_last(PATCH, OTHER))`` (the stale-event module's form): the marker
+    goes, so does the module helper only it called, and with it the conftest's series reader: nothing
+    of it (nor the path from the conftest's ``__file__`` it reads) is inlined or reported left."""
+    import export
+
+    for pkg in ("tests", "tests/unit"):
+        (tmp_path / pkg).mkdir(exist_ok=True)
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "tests/unit/conftest.py").write_text(APPLIED_LAST_CONFTEST)
+    module = tmp_path / "tests/unit/test_mine.py"
+    module.write_text(APPLIED_LAST)
+    items = [
+        {
+            "file": str(module),
+            "cls": None,
+            "func": "test_proved_by_whichever_comes_last",
+            "proves": "Mine.patch",
+            "indices": {},
+            "fixtures": {"session": {"file": None}},
+        }
+    ]
+    found = export.find_tests(tmp_path, "Mine.patch", items)
+    text, inlined, left = found["airflow-core/tests/unit/test_mine.py"]
+    assert left == []
+    assert inlined == []
+    for gone in ("_applied_last", "read_series", "_base_queue", "SERIES_FILE", "PROJECT_ROOT", "__file__"):
+        assert gone not in text
+    assert "def test_proved_by_whichever_comes_last(session):" in text
+
+
+def test_prune_drops_an_unused_tuple_assignment_and_what_only_it_used():
+    import export
+
+    text = export.prune(
+        "def _pair():\n    return 1, 2\n\n\nA, B = _pair()\nC, D = _pair()\n\n\ndef test_x():\n    assert C\n"
+    )
+    assert "A, B" not in text and "C, D = _pair()" in text and "def _pair" in text
