@@ -458,8 +458,49 @@ def stub_task_runner_exit(monkeypatch: pytest.MonkeyPatch, exit_code: int) -> No
 
     if hasattr(BaseExecutor, "run_workload"):
         monkeypatch.setattr(BaseExecutor, "run_workload", staticmethod(lambda workload, **kwargs: exit_code))
-    else:  # compat 3.2.x: the worker runs a task workload through local_executor._execute_work
-        monkeypatch.setattr(local_executor, "_execute_work", lambda log, workload, team_conf: exit_code)
+    else:  # compat 3.2.x / 3.1.x: the worker runs a task workload through local_executor._execute_work
+        # (3.2.x: (log, workload, team_conf); 3.1.x: (log, workload))
+        monkeypatch.setattr(local_executor, "_execute_work", lambda log, workload, *team_conf: exit_code)
+
+
+def run_local_executor_worker(work: Any, output: Any, unread: Any, team_conf: Any) -> None:
+    """``local_executor._run_worker`` on the queues given, until its poison pill (``None``)."""
+    import inspect
+
+    from airflow.executors import local_executor
+
+    if "team_conf" in inspect.signature(local_executor._run_worker).parameters:
+        local_executor._run_worker("test", work, output, unread, team_conf)
+    else:  # compat 3.1.x: no per-team configuration
+        local_executor._run_worker("test", work, output, unread)
+
+
+def retry_report_fields() -> list[str]:
+    """
+    The fields of the ``up_for_retry`` state report task-sdk's supervisor sends for a runner's ``RetryTask``:
+    task-sdk 1.1.x (the 3.1.x bases') sends no ``retry_delay_seconds`` / ``retry_reason`` (3.1 has no
+    retry-policy overrides).
+    """
+    fields = ["end_date", "rendered_map_index", "retry_delay_seconds", "retry_reason", "state"]
+    if _release(BASE_VERSION) < (3, 2):
+        fields = [f for f in fields if f not in ("retry_delay_seconds", "retry_reason")]
+    return fields
+
+
+def supervise_in_process(*, ti: Any, bundle_info: Any, dag_rel_path: Any, client: Any) -> int:
+    """
+    task-sdk's supervisor for one task workload on ``client``, as the executors' workers run it; returns
+    the exit code of the task runner. ``supervise_task()`` (task-sdk 1.3.x); task-sdk 1.1.x (3.1.x) has
+    ``supervise()``, which takes the same arguments and a preconfigured ``client`` (both fork the runner
+    with ``ActivitySubprocess.start`` and return ``process.wait()``).
+    """
+    from airflow.sdk.execution_time import supervisor
+
+    if hasattr(supervisor, "supervise_task"):
+        run = supervisor.supervise_task
+    else:  # compat task-sdk 1.1.x
+        run = supervisor.supervise
+    return run(ti=ti, bundle_info=bundle_info, dag_rel_path=dag_rel_path, token="", client=client)
 
 
 def duplicate_report_statuses(*on_3_3: int) -> tuple[int, ...]:

@@ -14,7 +14,7 @@ from airflow.executors.workloads import ExecuteTask
 from airflow.models.taskinstancekey import TaskInstanceKey
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit.conftest import stub_task_runner_exit
+from tests.unit.conftest import run_local_executor_worker, stub_task_runner_exit
 
 P_KILLED = "Request-callbacks-for-tries-whose-task-runner-was-killed-by-a-signal.patch"
 
@@ -65,7 +65,7 @@ def test_worker_sends_runner_exit_code(monkeypatch, exit_code, expected):
     unread = multiprocessing.Value("I", 2)
     work.put(_Workload.model_construct(ti=SimpleNamespace(key=KEY)))  # 3.2.x's worker reads ti.key
     work.put(None)
-    local_executor._run_worker("test", work, output, unread, _Conf())
+    run_local_executor_worker(work, output, unread, _Conf())
 
     got_key, state, info = output.get()
     assert (got_key, state) == (key, TaskInstanceState.SUCCESS)

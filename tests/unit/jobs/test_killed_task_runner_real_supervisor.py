@@ -52,16 +52,18 @@ from tests.unit.api_fastapi.execution_api.versions.head.test_task_instances_unre
     committed_state,
     running_try,
 )
+from tests.unit.conftest import BASE_VERSION, retry_report_fields, supervise_in_process
 from tests.unit.jobs.test_scheduler_killed_task_runner_callback import executor_event, runner_exit
 from tests.unit.ti_race import ExecutionApi
 
 pytestmark = pytest.mark.db_test
 
 _supervisor = pytest.importorskip("airflow.sdk.execution_time.supervisor")
-if not hasattr(_supervisor, "supervise_task"):
+if not hasattr(_supervisor, "supervise_task") and BASE_VERSION.startswith("3.2."):
     pytest.skip(
         "this task-sdk has no supervise_task() (task-sdk 1.2.x, the 3.2.2 base's); the module drives a real "
-        "supervisor through it (task-sdk 1.3.x, 3.3.2)",
+        "supervisor through it (task-sdk 1.3.x, 3.3.2) or through supervise(client=...) (task-sdk 1.1.x, "
+        "3.1.8: conftest.supervise_in_process); not run against task-sdk 1.2.x's supervise()",
         allow_module_level=True,
     )
 
@@ -158,7 +160,7 @@ def supervise(
     ``before``: see :class:`RecordingTransport`.
     """
     from airflow.executors.workloads import BundleInfo, ExecuteTask
-    from airflow.sdk.execution_time.supervisor import InProcessTestSupervisor, supervise_task
+    from airflow.sdk.execution_time.supervisor import InProcessTestSupervisor
 
     transport = RecordingTransport(api._transport, before)
     # The client dag.test() uses for its in-process API (without tenacity's retries), on our transport.
@@ -176,11 +178,10 @@ def supervise(
     previous = signal.signal(signal.SIGALRM, timed_out)
     signal.alarm(SUPERVISE_TIMEOUT)
     try:
-        exit_code = supervise_task(
-            ti=workload.ti,  # type: ignore[arg-type]
+        exit_code = supervise_in_process(
+            ti=workload.ti,
             bundle_info=workload.bundle_info,
             dag_rel_path=workload.dag_rel_path,
-            token="",
             client=client,
         )
     finally:
@@ -221,7 +222,7 @@ def states(reports: list[dict]) -> list[tuple[str, list[str]]]:
 
 
 FINISH_FIELDS = ["end_date", "rendered_map_index", "state"]
-RETRY_FIELDS = ["end_date", "rendered_map_index", "retry_delay_seconds", "retry_reason", "state"]
+RETRY_FIELDS = retry_report_fields()
 
 
 # ----------------------------------------------------------------------------------------------
