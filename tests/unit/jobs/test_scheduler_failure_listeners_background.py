@@ -347,3 +347,36 @@ def test_a_rolled_back_failure_gets_no_call_and_listener_changes_are_not_written
     assert listener.calls[0]["state"] == UP_FOR_RETRY
     hostnames = session.execute(select(TI.hostname).where(TI.dag_id == ti.dag_id)).scalars().all()
     assert hostnames == ["worker-1"]
+
+
+@pytest.mark.proves(P_BACKGROUND)
+def test_queueing_a_call_never_waits(scheduler_job_runner, caplog):
+    """
+    While one call is blocked, 1000 more are queued from another thread: each ``submit`` returns
+    without waiting (the queue is not bounded), and the backlog is logged when it reaches 1000.
+    Before: there are no background calls (listeners run on the scheduler's thread).
+    """
+    runner = scheduler_job_runner
+    caplog.set_level(logging.WARNING, logger="airflow.listeners.background")
+    started, release = threading.Event(), threading.Event()
+    background = in_background(runner)
+    calls = background.__enter__()
+    try:
+        assert calls is not None, "listener calls run on the scheduler's thread"
+        calls.submit("blocking", lambda: (started.set(), release.wait(WAIT)))
+        assert started.wait(WAIT)
+        submitter = threading.Thread(
+            target=lambda: [calls.submit(f"call {i}", lambda: None) for i in range(1000)], daemon=True
+        )
+        submitter.start()
+        submitter.join(WAIT)
+        if submitter.is_alive():
+            # not shut down: its shutdown could wait on the blocked submit; no later test may see it
+            import airflow.listeners.background as bg
+
+            bg._active = None
+            pytest.fail("queueing a call waited")
+        assert "1000 on_task_instance_failed calls are waiting to run" in caplog.text
+    finally:
+        release.set()
+    background.__exit__(None, None, None)
