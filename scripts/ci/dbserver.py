@@ -72,17 +72,38 @@ def masked(dsn: str) -> str:
     return f"{scheme}://{rest}{'?***' if question else ''}"
 
 
+NOT_AIRFLOW = " (not an Airflow database)"
+
+
 def airflow_data(conn) -> list[str]:
-    """The tables of AIRFLOW_DATA in the database of ``conn`` that hold rows."""
+    """The tables of AIRFLOW_DATA in the database of ``conn`` that hold rows.
+
+    A database without Airflow's ``alembic_version`` table is not Airflow's: a reset still drops its tables
+    that bear Airflow's names (``log``, ``session``, ``trigger``, ...) with their rows, so any table of it
+    holding rows is listed (marked with NOT_AIRFLOW).
+    """
     from sqlalchemy import inspect, text
 
     present = set(inspect(conn).get_table_names())
-    return [
-        t for t in AIRFLOW_DATA if t in present and conn.execute(text(f"SELECT 1 FROM {t} LIMIT 1")).first()
-    ]
+
+    def rows(t: str) -> bool:
+        quoted = conn.dialect.identifier_preparer.quote(t)
+        return conn.execute(text(f"SELECT 1 FROM {quoted} LIMIT 1")).first() is not None
+
+    held = [t for t in AIRFLOW_DATA if t in present and rows(t)]
+    if held or "alembic_version" in present:
+        return held
+    return [t + NOT_AIRFLOW for t in sorted(present) if rows(t)]
 
 
 def refusal(tables: list[str]) -> str:
+    if any(t.endswith(NOT_AIRFLOW) for t in tables):
+        names = ", ".join(t.removesuffix(NOT_AIRFLOW) for t in tables)
+        return (
+            f"the database is not an Airflow database (no alembic_version table) and holds rows (in {names}); "
+            "a reset would drop those of its tables that bear Airflow's names (log, session, ...): refusing to "
+            "reset it; DB_RESET=true (breeze's --db-reset) allows it, or give an empty database"
+        )
     return (
         f"the database holds Airflow data (rows in {', '.join(tables)}): refusing to reset it; DB_RESET=true "
         "(breeze's --db-reset) allows it, or give an empty database"

@@ -367,6 +367,12 @@ class Inliner:
             elif isinstance(node, ast.Import) and any(project_module(self.root, a.name) for a in node.names):
                 edits.lines(node.lineno, node.end_lineno)  # type: ignore[arg-type]
                 removed.add(id(node))
+                # ``import tests.unit.x`` (no ``as``): its ``tests.unit.x.name`` uses are not rewritten
+                left.extend(
+                    f"{a.name.split('.')[0]} (import {a.name}: a dotted use is not inlined)"
+                    for a in node.names
+                    if not a.asname and project_module(self.root, a.name)
+                )
             elif (  # `clock = other_module.clock`: the definition itself is inlined instead
                 isinstance(node, ast.Assign)
                 and len(node.targets) == 1

@@ -580,3 +580,43 @@ def test_prune_drops_an_unused_tuple_assignment_and_what_only_it_used():
         "def _pair():\n    return 1, 2\n\n\nA, B = _pair()\nC, D = _pair()\n\n\ndef test_x():\n    assert C\n"
     )
     assert "A, B" not in text and "C, D = _pair()" in text and "def _pair" in text
+
+
+PLAIN_IMPORT = """import pytest
+
+import tests.unit.helpers
+
+
+@pytest.mark.proves("Mine.patch")
+def test_dotted(session):
+    assert tests.unit.helpers.helper_mod(1) == 2
+"""
+
+
+def test_a_plain_import_of_a_project_module_used_dotted_is_a_name_left(tmp_path: Path):
+    """``import tests.unit.helpers`` then ``tests.unit.helpers.helper_mod(...)``: the import goes (it is
+    the project's) and nothing is inlined for the dotted use, so the module needs ``tests``: a name left,
+    not "none"."""
+    import export
+
+    for pkg in ("tests", "tests/unit"):
+        (tmp_path / pkg).mkdir(exist_ok=True)
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "tests/unit/helpers.py").write_text("def helper_mod(n):\n    return n * 2\n")
+    module = tmp_path / "tests/unit/test_mine.py"
+    module.write_text(PLAIN_IMPORT)
+    items = [
+        {
+            "file": str(module),
+            "cls": None,
+            "func": "test_dotted",
+            "proves": "Mine.patch",
+            "indices": {},
+            "fixtures": {"session": {"file": None}},
+        }
+    ]
+    text, inlined, left = export.find_tests(tmp_path, "Mine.patch", items)[
+        "airflow-core/tests/unit/test_mine.py"
+    ]
+    assert "tests.unit.helpers.helper_mod(1)" in text
+    assert left == ["tests (import tests.unit.helpers: a dotted use is not inlined)"]

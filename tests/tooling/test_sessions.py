@@ -231,6 +231,33 @@ def test_ctrl_c_during_verify_series_puts_the_tree_back_and_says_so():
     assert status.stdout == ""
 
 
+def test_benchmark_run_directly_refuses_a_database_that_is_not_airflows_and_holds_rows(tmp_path):
+    """An application's database (no alembic_version) whose ``log`` table holds its rows: Airflow's reset
+    drops and recreates ``log`` (and keeps ``orders``), so the rows would be lost; it is refused like one
+    holding Airflow data, and nothing is changed."""
+    from sqlalchemy import create_engine, text
+
+    python = ROOT / ".nox" / "tests-sqlite" / "bin" / "python"
+    if not python.exists():  # the venv of tests-sqlite: the patched tree, airflow importable
+        assert nox("-s", "tests-sqlite", "--", ONE_TEST).returncode == 0
+    dsn = f"sqlite:///{tmp_path / 'app.db'}"
+    engine = create_engine(dsn)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE log (id INTEGER PRIMARY KEY, msg VARCHAR(50))"))
+        conn.execute(text("INSERT INTO log (msg) VALUES ('app audit row')"))
+        conn.execute(text("CREATE TABLE orders (id INTEGER PRIMARY KEY)"))
+    env = {k: v for k, v in os.environ.items() if k not in ("DB_RESET", "VIRTUAL_ENV", "BACKEND")}
+    env.update({"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": dsn, "AIRFLOW_HOME": str(tmp_path / "home")})
+    proc = subprocess.run([str(python), "benchmarks/purge_trace.py", str(ROOT)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT msg FROM log")).scalars().all() == ["app audit row"], out
+    engine.dispose()
+    assert proc.returncode == 1, out
+    assert "not an Airflow database (no alembic_version table) and holds rows (in log)" in out, out
+
+
 def test_benchmark_run_directly_refuses_a_database_holding_airflow_data(tmp_path):
     """benchmarks/ reset the database of AIRFLOW__DATABASE__SQL_ALCHEMY_CONN, where an operator's Airflow may
     have put it: one holding Airflow data is refused unless DB_RESET=true (the rule of the test sessions)."""

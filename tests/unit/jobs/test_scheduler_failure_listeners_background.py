@@ -116,6 +116,11 @@ def listener(listener_manager):
     blocking.release.set()
 
 
+def dispatchers() -> list[threading.Thread]:
+    """The background dispatcher threads of this process (none before the patch)."""
+    return [t for t in threading.enumerate() if t.name == "on_task_instance_failed-dispatcher"]
+
+
 def failed_events(dag_maker, session, runner, prefix: str, n: int) -> list[TI]:
     tis = []
     for i in range(n):
@@ -180,7 +185,7 @@ def _next_try_running(session, dag_id: str, job_id: int) -> TI:
 
 
 @pytest.mark.proves(P_BACKGROUND)
-def test_every_failed_try_gets_one_call_in_order(dag_maker, session, scheduler_job_runner, listener):
+def test_every_failed_try_gets_one_call_in_order(dag_maker, session, scheduler_job_runner, listener, caplog):
     """
     One task instance (retries=2) fails three tries in three scheduler steps while the listener's
     first call is blocked: none of the steps waits for it, and the listener then gets exactly three
@@ -191,6 +196,8 @@ def test_every_failed_try_gets_one_call_in_order(dag_maker, session, scheduler_j
     (ti,) = make_running_tis(dag_maker, session, dag_id="bg_tries", retries=2, queued_by_job_id=runner.job.id)
     dag_id = ti.dag_id
     ids = []
+    end_dates = []
+    caplog.set_level(logging.WARNING, logger="airflow.listeners.background")
     with in_background(runner):
         for attempt in range(3):
             if attempt:
@@ -199,10 +206,14 @@ def test_every_failed_try_gets_one_call_in_order(dag_maker, session, scheduler_j
             session.expunge_all()
             runner._process_executor_events(executor=runner.executor, session=session)
             session.commit()
-            ids.append(session.scalar(select(TI.id).where(TI.dag_id == dag_id)))
+            ti_id, end_date = session.execute(select(TI.id, TI.end_date).where(TI.dag_id == dag_id)).one()
+            ids.append(ti_id)
+            end_dates.append(end_date)
         assert not listener.returned[0].is_set(), "a scheduler step waited for the listener"
+        # released as the block ends: the shutdown must wait for the three queued calls
         listener.release.set()
-        assert listener.returned[2].wait(WAIT)
+    assert listener.returned[2].is_set(), "the shutdown did not wait for the queued calls"
+    assert "Shutting down with" not in caplog.text
 
     assert listener.gave_up == 0
     assert listener.max_active == 1
@@ -212,6 +223,9 @@ def test_every_failed_try_gets_one_call_in_order(dag_maker, session, scheduler_j
         (3, FAILED),
     ]
     assert [c["ti_id"] for c in listener.calls] == ids
+    # each call's end_date is its own try's (a copy), not what the row held when the call ran
+    assert [c["end_date"] for c in listener.calls] == end_dates
+    assert len(set(end_dates)) == 3
 
 
 @pytest.mark.proves(P_BACKGROUND)
@@ -271,6 +285,10 @@ def test_scheduler_loop_shutdown_logs_pending_listener_calls(
         listener.release.set()
     assert not returned_first, "the scheduler loop waited for the listener"
     assert listener.returned[0].wait(WAIT)
+    # the dispatcher ends once the released call returns; only then is "not run" decided
+    for thread in dispatchers():
+        thread.join(WAIT)
+        assert not thread.is_alive(), "the dispatcher did not end"
     assert len(listener.calls) == 1, "a call queued at shutdown ran"
     assert "Shutting down with 2 on_task_instance_failed call(s) not finished" in caplog.text
     for ti in tis:
@@ -329,3 +347,36 @@ def test_a_rolled_back_failure_gets_no_call_and_listener_changes_are_not_written
     assert listener.calls[0]["state"] == UP_FOR_RETRY
     hostnames = session.execute(select(TI.hostname).where(TI.dag_id == ti.dag_id)).scalars().all()
     assert hostnames == ["worker-1"]
+
+
+@pytest.mark.proves(P_BACKGROUND)
+def test_queueing_a_call_never_waits(scheduler_job_runner, caplog):
+    """
+    While one call is blocked, 1000 more are queued from another thread: each ``submit`` returns
+    without waiting (the queue is not bounded), and the backlog is logged when it reaches 1000.
+    Before: there are no background calls (listeners run on the scheduler's thread).
+    """
+    runner = scheduler_job_runner
+    caplog.set_level(logging.WARNING, logger="airflow.listeners.background")
+    started, release = threading.Event(), threading.Event()
+    background = in_background(runner)
+    calls = background.__enter__()
+    try:
+        assert calls is not None, "listener calls run on the scheduler's thread"
+        calls.submit("blocking", lambda: (started.set(), release.wait(WAIT)))
+        assert started.wait(WAIT)
+        submitter = threading.Thread(
+            target=lambda: [calls.submit(f"call {i}", lambda: None) for i in range(1000)], daemon=True
+        )
+        submitter.start()
+        submitter.join(WAIT)
+        if submitter.is_alive():
+            # not shut down: its shutdown could wait on the blocked submit; no later test may see it
+            import airflow.listeners.background as bg
+
+            bg._active = None
+            pytest.fail("queueing a call waited")
+        assert "1000 on_task_instance_failed calls are waiting to run" in caplog.text
+    finally:
+        release.set()
+    background.__exit__(None, None, None)
