@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -49,8 +50,15 @@ def test_a_signal_to_ci_run_stops_the_sessions_of_every_base(tmp_path: Path, sig
     executable(bin_dir / "python3", FAKE_PYTHON.format(python=sys.executable))
     for name in ("pkg-config", "redis-server", "apt-get"):
         executable(bin_dir / name, "#!/bin/sh\nexit 0\n")
+    # A copy of the repository's parts .ci/run reads: it writes .ci/logs/<base>.log beside itself, and the
+    # real .ci/logs holds the last real run's logs.
+    root = tmp_path / "root"
+    (root / ".ci").mkdir(parents=True)
+    shutil.copy(ROOT / ".ci" / "run", root / ".ci" / "run")
+    shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
+    shutil.copytree(ROOT / "patches", root / "patches")
     run = subprocess.Popen(
-        ["bash", str(ROOT / ".ci" / "run")],
+        ["bash", str(root / ".ci" / "run")],
         env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
