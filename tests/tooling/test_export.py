@@ -440,18 +440,46 @@ FIRST_NAME, SECOND_NAME = _pair()
 """
 
 
+def _project(tmp_path: Path, module_text: str, files: dict[str, str]) -> Path:
+    """A project tree with packages ``tests`` and ``tests.unit``, ``files`` in ``tests/unit`` and the test
+    module ``tests/unit/test_mine.py``; returns the module's path."""
+    for pkg in ("tests", "tests/unit"):
+        (tmp_path / pkg).mkdir(exist_ok=True)
+        (tmp_path / pkg / "__init__.py").write_text("")
+    for name, text in files.items():
+        (tmp_path / "tests/unit" / name).write_text(text)
+    module = tmp_path / "tests/unit/test_mine.py"
+    module.write_text(module_text)
+    return module
+
+
+def _find_one(tmp_path: Path, module: Path, func: str) -> tuple[str, list[str], list[str]]:
+    """``export.find_tests`` for one test of ``module`` proving ``Mine.patch``: its (text, inlined, left)."""
+    import export
+
+    items = [
+        {
+            "file": str(module),
+            "cls": None,
+            "func": func,
+            "proves": "Mine.patch",
+            "indices": {},
+            "fixtures": {"session": {"file": None}},
+        }
+    ]
+    return export.find_tests(tmp_path, "Mine.patch", items)["airflow-core/tests/unit/test_mine.py"]
+
+
 def test_skipif_on_carries_is_dropped_and_a_tuple_assignment_inlined_once(tmp_path: Path):
     """An export holds the patches its tests need: the conftest's carries() is not inlined (it reads the
     project's series file); a helper binding two names is copied once, not once per name."""
     import export
 
-    for pkg in ("tests", "tests/unit"):
-        (tmp_path / pkg).mkdir(exist_ok=True)
-        (tmp_path / pkg / "__init__.py").write_text("")
-    (tmp_path / "tests/unit/conftest.py").write_text("def carries(patch):\n    return True\n")
-    (tmp_path / "tests/unit/helpers.py").write_text(CARRIES_HELPERS)
-    module = tmp_path / "tests/unit/test_mine.py"
-    module.write_text(CARRIES)
+    module = _project(
+        tmp_path,
+        CARRIES,
+        {"conftest.py": "def carries(patch):\n    return True\n", "helpers.py": CARRIES_HELPERS},
+    )
     items = [{"cls": None, "func": "test_needs_the_other_patch", "proves": "Mine.patch", "indices": {}}]
     text, found = export.for_upstream(CARRIES, "Mine.patch", items)
     assert found and "skipif" not in text and "proves" not in text
@@ -492,12 +520,7 @@ def test_a_helper_computing_a_path_from_its_file_is_a_name_left(tmp_path: Path):
     another place once copied into the upstream module: reported as left, not inlined as if runnable."""
     import export
 
-    for pkg in ("tests", "tests/unit"):
-        (tmp_path / pkg).mkdir(exist_ok=True)
-        (tmp_path / pkg / "__init__.py").write_text("")
-    (tmp_path / "tests/unit/conftest.py").write_text(PROJECT_FILE_CONFTEST)
-    module = tmp_path / "tests/unit/test_mine.py"
-    module.write_text(PROJECT_FILE)
+    module = _project(tmp_path, PROJECT_FILE, {"conftest.py": PROJECT_FILE_CONFTEST})
     items = [{"cls": None, "func": "test_not_on_32", "proves": "Mine.patch", "indices": {}}]
     text, found = export.for_upstream(PROJECT_FILE, "Mine.patch", items)
     assert found
@@ -546,26 +569,9 @@ def test_a_helper_only_a_dropped_marker_used_is_not_inlined_nor_its_names_left(t
     """``@pytest.mark.proves(_applied_last(PATCH, OTHER))`` (the stale-event module's form): the marker
     goes, so does the module helper only it called, and with it the conftest's series reader: nothing
     of it (nor the path from the conftest's ``__file__`` it reads) is inlined or reported left."""
-    import export
 
-    for pkg in ("tests", "tests/unit"):
-        (tmp_path / pkg).mkdir(exist_ok=True)
-        (tmp_path / pkg / "__init__.py").write_text("")
-    (tmp_path / "tests/unit/conftest.py").write_text(APPLIED_LAST_CONFTEST)
-    module = tmp_path / "tests/unit/test_mine.py"
-    module.write_text(APPLIED_LAST)
-    items = [
-        {
-            "file": str(module),
-            "cls": None,
-            "func": "test_proved_by_whichever_comes_last",
-            "proves": "Mine.patch",
-            "indices": {},
-            "fixtures": {"session": {"file": None}},
-        }
-    ]
-    found = export.find_tests(tmp_path, "Mine.patch", items)
-    text, inlined, left = found["airflow-core/tests/unit/test_mine.py"]
+    module = _project(tmp_path, APPLIED_LAST, {"conftest.py": APPLIED_LAST_CONFTEST})
+    text, inlined, left = _find_one(tmp_path, module, "test_proved_by_whichever_comes_last")
     assert left == []
     assert inlined == []
     for gone in ("_applied_last", "read_series", "_base_queue", "SERIES_FILE", "PROJECT_ROOT", "__file__"):
@@ -597,26 +603,8 @@ def test_a_plain_import_of_a_project_module_used_dotted_is_a_name_left(tmp_path:
     """``import tests.unit.helpers`` then ``tests.unit.helpers.helper_mod(...)``: the import goes (it is
     the project's) and nothing is inlined for the dotted use, so the module needs ``tests``: a name left,
     not "none"."""
-    import export
 
-    for pkg in ("tests", "tests/unit"):
-        (tmp_path / pkg).mkdir(exist_ok=True)
-        (tmp_path / pkg / "__init__.py").write_text("")
-    (tmp_path / "tests/unit/helpers.py").write_text("def helper_mod(n):\n    return n * 2\n")
-    module = tmp_path / "tests/unit/test_mine.py"
-    module.write_text(PLAIN_IMPORT)
-    items = [
-        {
-            "file": str(module),
-            "cls": None,
-            "func": "test_dotted",
-            "proves": "Mine.patch",
-            "indices": {},
-            "fixtures": {"session": {"file": None}},
-        }
-    ]
-    text, inlined, left = export.find_tests(tmp_path, "Mine.patch", items)[
-        "airflow-core/tests/unit/test_mine.py"
-    ]
+    module = _project(tmp_path, PLAIN_IMPORT, {"helpers.py": "def helper_mod(n):\n    return n * 2\n"})
+    text, inlined, left = _find_one(tmp_path, module, "test_dotted")
     assert "tests.unit.helpers.helper_mod(1)" in text
     assert left == ["tests (import tests.unit.helpers: a dotted use is not inlined)"]

@@ -231,6 +231,16 @@ def test_ctrl_c_during_verify_series_puts_the_tree_back_and_says_so():
     assert status.stdout == ""
 
 
+def _purge_trace_on(python: Path, dsn: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, str]:
+    """Run ``benchmarks/purge_trace.py`` (it resets its database) on ``dsn`` as a careless user would: no
+    DB_RESET, no BACKEND; returns the process and its output."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DB_RESET", "VIRTUAL_ENV", "BACKEND")}
+    env.update({"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": dsn, "AIRFLOW_HOME": str(tmp_path / "home")})
+    proc = subprocess.run([str(python), "benchmarks/purge_trace.py", str(ROOT)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    return proc, proc.stdout + proc.stderr
+
+
 def test_benchmark_run_directly_refuses_a_database_that_is_not_airflows_and_holds_rows(tmp_path):
     """An application's database (no alembic_version) whose ``log`` table holds its rows: Airflow's reset
     drops and recreates ``log`` (and keeps ``orders``), so the rows would be lost; it is refused like one
@@ -246,11 +256,7 @@ def test_benchmark_run_directly_refuses_a_database_that_is_not_airflows_and_hold
         conn.execute(text("CREATE TABLE log (id INTEGER PRIMARY KEY, msg VARCHAR(50))"))
         conn.execute(text("INSERT INTO log (msg) VALUES ('app audit row')"))
         conn.execute(text("CREATE TABLE orders (id INTEGER PRIMARY KEY)"))
-    env = {k: v for k, v in os.environ.items() if k not in ("DB_RESET", "VIRTUAL_ENV", "BACKEND")}
-    env.update({"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": dsn, "AIRFLOW_HOME": str(tmp_path / "home")})
-    proc = subprocess.run([str(python), "benchmarks/purge_trace.py", str(ROOT)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    out = proc.stdout + proc.stderr
+    proc, out = _purge_trace_on(python, dsn, tmp_path)
     with engine.connect() as conn:
         assert conn.execute(text("SELECT msg FROM log")).scalars().all() == ["app audit row"], out
     engine.dispose()
@@ -271,11 +277,7 @@ def test_benchmark_run_directly_refuses_a_database_holding_airflow_data(tmp_path
     with engine.begin() as conn:  # not Airflow's schema: the one table the check reads, with a row
         conn.execute(text("CREATE TABLE dag (dag_id VARCHAR(250) PRIMARY KEY)"))
         conn.execute(text("INSERT INTO dag VALUES ('prod')"))
-    env = {k: v for k, v in os.environ.items() if k not in ("DB_RESET", "VIRTUAL_ENV", "BACKEND")}
-    env.update({"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": dsn, "AIRFLOW_HOME": str(tmp_path / "home")})
-    proc = subprocess.run([str(python), "benchmarks/purge_trace.py", str(ROOT)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    out = proc.stdout + proc.stderr
+    proc, out = _purge_trace_on(python, dsn, tmp_path)
     assert proc.returncode == 1, out
     assert "holds Airflow data (rows in dag): refusing to reset it" in out, out
     with engine.connect() as conn:
