@@ -4,11 +4,12 @@ The execution API's reschedule must not insert a ``task_reschedule`` row for a t
 the scheduler's failure handling changed after the route read the row (issue 17, target 3).
 
 ``ti_update_state`` with ``up_for_reschedule`` reads the task instance (``SELECT ... FOR UPDATE``),
-then inserts its ``task_reschedule`` row and updates its state. On PostgreSQL and MySQL/MariaDB the
+then updates it by id and inserts its ``task_reschedule`` row. On PostgreSQL and MySQL/MariaDB the
 read locks the row: failure handling waits, the reschedule commits first. SQLite has no row locks and
 the read takes no write lock, so failure handling can commit its retry preparation (the task instance
-gets a new id) between the read and the INSERT: the INSERT then fails on the foreign key
-(``IntegrityError``), the API answers 500 (benchmark 3 on sqlite: 5-7 % of the reschedules).
+gets a new id) right after the read: on 3.3.2 + patches 1-17 the UPDATE then changes no row, the
+INSERT fails on the foreign key and the API answers 500 (benchmark 3 on sqlite: 5-7 % of the
+reschedules).
 
 Here the route stops right after its read; failure handling of the same task instance (a FAILED
 executor event, the scheduler's ``_process_executor_events``) runs then: on SQLite it commits, on
@@ -54,7 +55,9 @@ def api() -> ExecutionApi:
 @pytest.mark.proves(P_WRITE_FIRST, base_ok_on=("postgres", "mysql"))
 def test_reschedule_read_before_retry_preparation_commits(dag_maker, session, scheduler_job_runner, api):
     runner = scheduler_job_runner
-    (ti,) = make_running_tis(dag_maker, session, dag_id="reschedule_write_lock", queued_by_job_id=runner.job.id)
+    (ti,) = make_running_tis(
+        dag_maker, session, dag_id="reschedule_write_lock", queued_by_job_id=runner.job.id
+    )
     key, ti_id, dag_id, task_id, run_id = ti.key, ti.id, ti.dag_id, ti.task_id, ti.run_id
     runner.executor.event_buffer[key] = (TaskInstanceState.FAILED, None)
     session.expunge_all()
