@@ -1,0 +1,108 @@
+# Licensed under the Apache License, Version 2.0 (the "License"); see the Apache Airflow project.
+"""
+The execution API's reschedule must not insert a ``task_reschedule`` row for a task instance id that
+the scheduler's failure handling changed after the route read the row (issue 17, target 3).
+
+``ti_update_state`` with ``up_for_reschedule`` reads the task instance (``SELECT ... FOR UPDATE``),
+then updates it by id and inserts its ``task_reschedule`` row. On PostgreSQL and MySQL/MariaDB the
+read locks the row: failure handling waits, the reschedule commits first. SQLite has no row locks and
+the read takes no write lock, so failure handling can commit its retry preparation (the task instance
+gets a new id) right after the read: on 3.3.2 + patches 1-17 the UPDATE then changes no row, the
+INSERT fails on the foreign key and the API answers 500 (benchmark 3 on sqlite: 5-7 % of the
+reschedules).
+
+Here the route stops right after its read; failure handling of the same task instance (a FAILED
+executor event, the scheduler's ``_process_executor_events``) runs then: on SQLite it commits, on
+PostgreSQL/MariaDB it waits for the row lock (seen in the server's lock bookkeeping). Then the route
+carries on. It must answer without a server error, and every ``task_reschedule`` row must belong to
+the task instance as committed: the reschedule either won (204, ``up_for_reschedule``) or found the
+task instance changed (404/409, no row, the retry stands).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow import settings
+from airflow.utils.state import TaskInstanceState
+
+from tests.unit.ti_race import (
+    WAIT,
+    ExecutionApi,
+    Pause,
+    Worker,
+    lock_waiters,
+    make_running_tis,
+    read_rows,
+    wait_until,
+)
+
+pytestmark = pytest.mark.db_test
+
+P_WRITE_FIRST = "Update-a-rescheduled-task-instance-before-inserting-its-reschedule.patch"
+
+# The route's read of the task instance (the ``old`` select of ti_update_state).
+API_READS_TI = r"^\s*SELECT task_instance\.state, task_instance\.try_number, task_instance\.max_tries\b"
+
+
+@pytest.fixture(scope="module")
+def api() -> ExecutionApi:
+    api = ExecutionApi()
+    api.warm_up()
+    return api
+
+
+@pytest.mark.proves(P_WRITE_FIRST, base_ok_on=("postgres", "mysql"))
+def test_reschedule_read_before_retry_preparation_commits(dag_maker, session, scheduler_job_runner, api):
+    runner = scheduler_job_runner
+    (ti,) = make_running_tis(
+        dag_maker, session, dag_id="reschedule_write_lock", queued_by_job_id=runner.job.id
+    )
+    key, ti_id, dag_id, task_id, run_id = ti.key, ti.id, ti.dag_id, ti.task_id, ti.run_id
+    runner.executor.event_buffer[key] = (TaskInstanceState.FAILED, None)
+    session.expunge_all()
+
+    def handle() -> None:
+        try:
+            runner._process_executor_events(executor=runner.executor, session=session)
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+
+    scheduler = Worker(handle, name="scheduler")
+    pause = Pause(API_READS_TI, not_thread=scheduler)
+    try:
+        api_call = api.reschedule_in_thread(ti_id)
+        assert pause.reached.wait(WAIT), "the API never read the task instance"
+        scheduler.start()
+        wait_until(
+            lambda: scheduler.done.is_set() or lock_waiters() > 0,
+            "failure handling committed or waits for the API's row lock",
+        )
+        # Whether failure handling committed the retry (the task instance's new id) while the
+        # route was paused; on PostgreSQL/MariaDB it waits for the row lock or skips the locked row.
+        retried_first = read_rows(dag_id, task_id, run_id).ti_id != ti_id
+        pause.release()
+        status = api_call.join_or_fail()
+        scheduler.join_or_fail()
+    finally:
+        pause.remove()
+
+    assert scheduler.error is None, f"failure handling failed: {scheduler.error!r}"
+    assert api_call.error is None, f"the reschedule raised: {api_call.error!r}"
+    rows = read_rows(dag_id, task_id, run_id)
+    if settings.engine.dialect.name == "sqlite":
+        # No row lock: failure handling committed the retry (new id) while the route was paused.
+        assert retried_first, "on sqlite failure handling should have committed before the API wrote"
+    assert status != 500, f"the reschedule answered 500 (task_reschedule FK violation): {rows}"
+    assert all(ti_id_ == rows.ti_id for ti_id_ in rows.reschedule_ti_ids), f"orphan reschedule: {rows}"
+    if retried_first:
+        assert status in (404, 409), f"the reschedule of a retried try answered {status}: {rows}"
+        assert rows.state == TaskInstanceState.UP_FOR_RETRY, rows
+        assert rows.ti_id != ti_id, rows
+        assert rows.reschedule_ti_ids == [], rows
+    else:
+        assert status == 204, f"the reschedule holding the row lock answered {status}: {rows}"
+        assert rows.state == TaskInstanceState.UP_FOR_RESCHEDULE, rows
+        assert rows.reschedule_ti_ids == [ti_id], rows
