@@ -418,7 +418,7 @@ def test_held_event_survives_a_late_event_of_an_earlier_try(dag_maker, session, 
     assert callbacks_of_try(ti) == [UP_FOR_RETRY]
 
 
-@pytest.mark.guard
+@pytest.mark.proves(PATCH)
 def test_held_event_of_a_try_that_then_reschedules_leaves_the_buffer_without_failing_it(
     dag_maker, session, api, scheduler_job_runner
 ):
