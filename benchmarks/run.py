@@ -378,6 +378,12 @@ def concurrent_notes(res: dict[str, dict]) -> str:
             for e in r.get("api_error_examples", []):
                 quoted = e.replace("`", "'")
                 lines.append(f"- API error ({variant}, listener {r['latency']:g} s): `{quoted}`")
+            if r.get("not_handled"):
+                left = ", ".join(f"{k} {n}" for k, n in sorted(r["not_handled"].items()))
+                lines.append(
+                    f"- events still in the buffer after a batch's 3 passes ({variant}, listener "
+                    f"{r['latency']:g} s; held or not: TI state at the round's end / try): {left}"
+                )
     return "\n".join(lines)
 
 

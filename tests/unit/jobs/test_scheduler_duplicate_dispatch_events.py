@@ -416,3 +416,41 @@ def test_held_event_survives_a_late_event_of_an_earlier_try(dag_maker, session, 
             f"dead try is still {state} (buffer {runner.executor.event_buffer})"
         )
     assert callbacks_of_try(ti) == [UP_FOR_RETRY]
+
+
+@pytest.mark.proves(PATCH)
+def test_held_event_of_a_try_that_then_reschedules_leaves_the_buffer_without_failing_it(
+    dag_maker, session, api, scheduler_job_runner
+):
+    """
+    The case benchmark 3 (``--stale-heartbeats``, sqlite) left in the buffer after its 3 passes per
+    batch (counted ``899/900`` there): the try's heartbeat is fresh when its FAILED event arrives (held),
+    then the try reschedules. The next pass takes the event out of the buffer; it does not fail the
+    rescheduled try, and no callback is requested: the event is applied once, as for any event of a
+    task instance that is no longer running.
+    """
+    runner = scheduler_job_runner
+    with time_machine.travel(T0, tick=False) as clock:
+        ti = queued_try(dag_maker, session, runner, "held_then_rescheduled")
+        assert start(api, ti.id, **WINNER).status_code == 200
+        clock.shift(timedelta(seconds=2))
+        assert api.heartbeat(ti.id, **WINNER) == 204
+        runner.executor.fail(ti.key)
+        scheduler_pass(runner)
+        assert committed_state(ti) == RUNNING
+        assert buffered(runner, ti), "held: the try heartbeated right before the event"
+
+        clock.shift(LOOP)
+        reschedule_date = (tz.utcnow() + timedelta(minutes=5)).isoformat()
+        assert report(api, ti.id, "up_for_reschedule", reschedule_date=reschedule_date) == 204
+        clock.shift(LOOP)
+        scheduler_pass(runner)
+
+        assert not buffered(runner, ti), "the held event must leave the buffer once the try rescheduled"
+        assert committed_state(ti) == "up_for_reschedule"
+        for _ in range(2):
+            clock.shift(hold_limit())
+            scheduler_pass(runner, purge=True)
+        assert committed_state(ti) == "up_for_reschedule"
+    assert callbacks_of_try(ti) == []
+    assert runner.executor.event_buffer == {}

@@ -26,6 +26,7 @@ import pytest
 from airflow import settings
 from airflow.utils.state import TaskInstanceState
 
+from tests.unit.conftest import BASE_VERSION, _release
 from tests.unit.ti_race import (
     WAIT,
     ExecutionApi,
@@ -106,3 +107,42 @@ def test_reschedule_read_before_retry_preparation_commits(dag_maker, session, sc
         assert status == 204, f"the reschedule holding the row lock answered {status}: {rows}"
         assert rows.state == TaskInstanceState.UP_FOR_RESCHEDULE, rows
         assert rows.reschedule_ti_ids == [ti_id], rows
+
+
+@pytest.mark.proves(P_WRITE_FIRST, base_ok_on=("postgres", "mysql"))
+def test_duplicate_reschedule_read_before_the_first_commits(dag_maker, session, api):
+    """
+    Two reschedule requests of the same try (e.g. the supervisor's request and its retry after a
+    client-side timeout). The first stops right after its read; the second runs. On PostgreSQL and
+    MariaDB it waits for the first's row lock, then reads ``up_for_reschedule``: the route's duplicate
+    check answers 200. SQLite has no row lock: the second commits first, and the first must answer as
+    the route answers a read in that state (3.3.2: 200, nothing written, where patch 18 as first
+    written answered 409; 3.2.2: 409), and not insert a second ``task_reschedule`` row (3.3.2 +
+    patches 1-17: both 204, two rows).
+    """
+    (ti,) = make_running_tis(dag_maker, session, dag_id="reschedule_duplicate")
+    ti_id, dag_id, task_id, run_id = ti.id, ti.dag_id, ti.task_id, ti.run_id
+    session.expunge_all()
+
+    pause = Pause(API_READS_TI)
+    try:
+        first = api.reschedule_in_thread(ti_id)
+        assert pause.reached.wait(WAIT), "the first reschedule never read the task instance"
+        second = Worker(lambda: api.reschedule(ti_id), name="execution-api-2")
+        second.start()
+        wait_until(
+            lambda: second.done.is_set() or lock_waiters() > 0,
+            "the second reschedule finished or waits for the first's row lock",
+        )
+        pause.release()
+        statuses = sorted([first.join_or_fail(), second.join_or_fail()])
+    finally:
+        pause.remove()
+
+    assert first.error is None and second.error is None, (first.error, second.error)
+    rows = read_rows(dag_id, task_id, run_id)
+    assert rows.state == TaskInstanceState.UP_FOR_RESCHEDULE, rows
+    assert rows.reschedule_ti_ids == [ti_id], f"one reschedule, one task_reschedule row: {rows}"
+    # A read in up_for_reschedule: 3.3.2's route answers 200 (its duplicate check), 3.2.2's 409.
+    duplicate = 200 if _release(BASE_VERSION) >= (3, 3) else 409
+    assert statuses == sorted([204, duplicate]), f"a duplicate reschedule answered {statuses}"
