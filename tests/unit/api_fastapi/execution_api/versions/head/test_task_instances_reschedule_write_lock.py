@@ -40,7 +40,7 @@ from tests.unit.ti_race import (
 
 pytestmark = pytest.mark.db_test
 
-P_WRITE_FIRST = "Update-a-rescheduled-task-instance-before-inserting-its-reschedule.patch"
+P_WRITE_FIRST = "Reschedule-a-task-instance-only-while-it-is-running.patch"
 
 # The route's read of the task instance (the ``old`` select of ti_update_state).
 API_READS_TI = r"^\s*SELECT task_instance\.state, task_instance\.try_number, task_instance\.max_tries\b"
