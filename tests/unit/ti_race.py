@@ -149,6 +149,20 @@ class StatementLog:
         event.remove(settings.engine, "before_cursor_execute", self._before)
 
 
+def handle_executor_events(runner: Any, session: Any) -> Callable[[], None]:
+    """The scheduler's executor-event step on ``session``, committed (rolled back on an error): a ``Worker`` body."""
+
+    def handle() -> None:
+        try:
+            runner._process_executor_events(executor=runner.executor, session=session)
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+
+    return handle
+
+
 class Worker(threading.Thread):
     """Run ``fn`` in a thread, keep its result or exception; ``join_or_fail`` bounds the wait."""
 

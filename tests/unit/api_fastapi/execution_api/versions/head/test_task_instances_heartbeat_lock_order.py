@@ -24,6 +24,7 @@ from tests.unit.ti_race import (
     ExecutionApi,
     Pause,
     Worker,
+    handle_executor_events,
     lock_waiters,
     make_running_tis,
     read_rows,
@@ -53,17 +54,9 @@ def test_heartbeat_during_failure_handling_does_not_deadlock(dag_maker, session,
     runner.executor.event_buffer[key] = (TaskInstanceState.FAILED, None)
     session.expunge_all()
 
-    def handle() -> None:
-        try:
-            runner._process_executor_events(executor=runner.executor, session=session)
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
-
     # The scheduler's first statement that locks the task instance row: failure handling's
     # SELECT ... FOR UPDATE (series) or the UPDATE of the row (3.3.2).
-    scheduler = Worker(handle, name="scheduler")
+    scheduler = Worker(handle_executor_events(runner, session), name="scheduler")
     pause = Pause(
         r"^\s*SELECT\b.*\bFROM task_instance\b.*\bFOR UPDATE\s*$|^\s*UPDATE task_instance\b", thread=scheduler
     )

@@ -32,6 +32,7 @@ from tests.unit.ti_race import (
     ExecutionApi,
     Pause,
     Worker,
+    handle_executor_events,
     lock_waiters,
     make_running_tis,
     read_rows,
@@ -63,15 +64,7 @@ def test_reschedule_read_before_retry_preparation_commits(dag_maker, session, sc
     runner.executor.event_buffer[key] = (TaskInstanceState.FAILED, None)
     session.expunge_all()
 
-    def handle() -> None:
-        try:
-            runner._process_executor_events(executor=runner.executor, session=session)
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
-
-    scheduler = Worker(handle, name="scheduler")
+    scheduler = Worker(handle_executor_events(runner, session), name="scheduler")
     pause = Pause(API_READS_TI, not_thread=scheduler)
     try:
         api_call = api.reschedule_in_thread(ti_id)
