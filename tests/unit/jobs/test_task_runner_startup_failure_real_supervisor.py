@@ -36,6 +36,7 @@ next heartbeat gets 409, it kills the runner and reports nothing.
 
 from __future__ import annotations
 
+import signal
 import textwrap
 from pathlib import Path
 
@@ -62,7 +63,6 @@ from tests.unit.jobs.test_killed_task_runner_real_supervisor import (
     supervise,
 )
 from tests.unit.jobs.test_scheduler_killed_task_runner_callback import executor_event
-from tests.unit.ti_race import ExecutionApi
 
 pytestmark = pytest.mark.db_test
 
@@ -70,14 +70,6 @@ QUEUED = TaskInstanceState.QUEUED
 RUNNING = TaskInstanceState.RUNNING
 UP_FOR_RESCHEDULE = TaskInstanceState.UP_FOR_RESCHEDULE
 RESCHEDULE_FIELDS = ["end_date", "reschedule_date", "state"]
-
-
-@pytest.fixture(scope="module")
-def api():
-    """Airflow's execution API in-process; warmed up once per module (see ExecutionApi.warm_up)."""
-    execution_api = ExecutionApi()
-    execution_api.warm_up()
-    return execution_api
 
 
 DAG_FILE = """
@@ -319,10 +311,31 @@ def test_last_try_callback_that_exits_sends_what_a_startup_failure_sends(
 # ----------------------------------------------------------------------------------------------
 # A user marks the running try failed
 # ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def prompt_supervisor(monkeypatch):
+    """
+    The supervisor's timings shortened, its steps kept: a heartbeat every 0.2 s (``[workers]
+    min_heartbeat_interval``, default 5 s, read at import) and 0.5 s between SIGTERM and SIGKILL (``kill()``'s
+    ``escalation_delay``, default 5 s). Only the waits change: the test still sees the 409, SIGTERM, SIGKILL.
+    """
+    import inspect
+
+    from airflow.sdk.execution_time import supervisor
+
+    monkeypatch.setattr(supervisor, "MIN_HEARTBEAT_INTERVAL", 0.2)
+    kill = supervisor.ActivitySubprocess.kill
+    assert inspect.signature(kill).parameters["escalation_delay"].default == 5.0
+
+    def prompt_kill(self, signal_to_send=signal.SIGINT, escalation_delay: float = 5.0, force: bool = False):
+        return kill(self, signal_to_send, escalation_delay=min(escalation_delay, 0.5), force=force)
+
+    monkeypatch.setattr(supervisor.ActivitySubprocess, "kill", prompt_kill)
+
+
 @pytest.mark.guard
 @pytest.mark.parametrize("executor", ["local", "celery"])
 def test_user_marked_running_try_failed_gets_no_callback(
-    dag_maker, session, api, scheduler_job_runner, tmp_path, request, executor
+    dag_maker, session, api, scheduler_job_runner, tmp_path, request, prompt_supervisor, executor
 ):
     """
     A user marks the running try failed while its task runs (``set_task_instance_state``, what the UI
