@@ -9,7 +9,10 @@ environment as for ``pytest``):
    passes is reported as "does not prove" (tests whose ``base_ok_on`` names this backend are only
    checked for passing, as the base is not vulnerable there);
 2. at base + 1..k: the same tests must pass, and so must the tests of patches 1..k plus the guards
-   (bisectability); one pytest run checks both.
+   (bisectability).
+
+One pytest run per tree state does both: at base + 1..k it runs step k's tests and then, last
+(``--proves-last``), the tests of patch k+1 for step 1 of the next patch; n + 1 runs for n patches.
 
 Skips are counted and shown, never passed off as proof: a patch whose tests all skip on this backend
 (e.g. a row-lock change where Airflow takes no row locks) shows "ok 0 (N skipped)"; a patch with no
@@ -26,6 +29,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,18 +127,27 @@ def verify(pytest_args: list[str]) -> int:
     rows = []
     with tree.locked(ROOT, "verify_series.py"), contextlib.ExitStack() as back:
         back.callback(lambda: print(tree.checkout(ROOT, "all")))
-        for k, patch in enumerate(patches, 1):
-            print(f"[{k}/{len(patches)}] {patch}", flush=True)
-            tree.checkout(ROOT, str(k - 1))
-            before = judge_before(run_pytest(["--proves", patch], pytest_args))
-            tree.checkout(ROOT, str(k))
-            # One run at base + 1..k: the tests of patches 1..k plus the guards; patch k's are "after".
-            scope = [a for p in patches[:k] for a in ("--proves", p)]
-            results = run_pytest([*scope, "--guards"], pytest_args)
-            own = {name: o for name, o in results.items() if o.proves == patch}
-            after = judge_passing(own, "with its patch")
-            suite = judge_passing(results, f"at base + {k} patches")
-            rows.append((patch, before, after, suite))
+        # One pytest run per tree state, n + 1 for n patches: at base + 1..j, the tests of patches 1..j plus
+        # the guards (patch j's "after" and step j's suite), and then, run last, the tests of patch j + 1
+        # (its "before", at base + 1..j as above).
+        before = None
+        for j in range(len(patches) + 1 if patches else 0):
+            started = time.monotonic()
+            after_of = patches[j - 1] if j else None
+            before_of = patches[j] if j < len(patches) else None
+            print(f"[{j}/{len(patches)}] base + {j}: {after_of or 'the base'}", flush=True)
+            tree.checkout(ROOT, str(j))
+            scope = [a for p in patches[:j] for a in ("--proves", p)] + (["--guards"] if j else [])
+            results = run_pytest([*scope, *(["--proves-last", before_of] if before_of else [])], pytest_args)
+            if after_of:
+                step = {name: o for name, o in results.items() if before_of is None or o.proves != before_of}
+                own = {name: o for name, o in step.items() if o.proves == after_of}
+                after = judge_passing(own, "with its patch")
+                suite = judge_passing(step, f"at base + {j} patches")
+                rows.append((after_of, before, after, suite))
+            if before_of:
+                before = judge_before({name: o for name, o in results.items() if o.proves == before_of})
+            print(f"    step done in {time.monotonic() - started:.0f} s", flush=True)
     width = max(len(p) for p in patches) if patches else 5
     base = tree.base_config(ROOT)["version"]
     print(f"\nverify-series on {backend}, base apache-airflow-core {base} ({len(patches)} patch(es))\n")

@@ -22,7 +22,8 @@ Fixtures: ``session``, ``other_session``, ``dag_maker``, ``scheduler_job_runner`
 :func:`server_version`, :func:`schema_revisions`, :func:`clear_db`.
 
 Markers: ``db_test``, ``backend(*names)``, ``proves(patch, base_ok_on=())``, ``guard``.
-Options: ``--proves PATCH`` (only tests proving PATCH), ``--guards`` (guard tests).
+Options: ``--proves PATCH`` (only tests proving PATCH), ``--guards`` (guard tests), ``--proves-last PATCH``
+(also PATCH's tests, run last).
 """
 
 from __future__ import annotations
@@ -217,6 +218,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "repeat for several patches.",
     )
     group.addoption(
+        "--proves-last",
+        metavar="PATCH",
+        default=None,
+        help="Also run the tests marked @pytest.mark.proves(PATCH), after every other selected test "
+        "(verify-series: the next patch's fail-before tests, in the run of this step's suite).",
+    )
+    group.addoption(
         "--guards",
         action="store_true",
         default=False,
@@ -240,6 +248,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "guard: behaviour that must hold before and after every patch")
 
     wanted = config.getoption("--proves")
+    if config.getoption("--proves-last") is not None:
+        wanted = [*(wanted or ()), config.getoption("--proves-last")]
     if wanted is not None:
         series = read_series()
         unknown = [w for w in wanted if series is not None and w not in series]
@@ -274,8 +284,11 @@ def _proves_args(item: pytest.Item, series: list[str] | None) -> tuple[str, tupl
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     series = read_series()
     wanted = config.getoption("--proves")
+    last = config.getoption("--proves-last")
+    if last is not None:
+        wanted = [*(wanted or ()), last]
     guards = config.getoption("--guards")
-    selected, deselected = [], []
+    selected, deselected, tail = [], [], set()
     for item in items:
         proves = _proves_args(item, series)
         if proves is not None and series is not None and proves[0] not in series:
@@ -311,11 +324,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         proves_wanted = wanted is not None and proves is not None and proves[0] in wanted
         if everything or proves_wanted or (guards and is_guard):
             selected.append(item)
+            if proves is not None and proves[0] == last:
+                tail.add(item)
         else:
             deselected.append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
-        items[:] = selected
+    # --proves-last: its tests after all others, so that what they leave behind when they fail cannot
+    # disturb the others.
+    items[:] = [i for i in selected if i not in tail] + [i for i in selected if i in tail]
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -600,6 +617,19 @@ def _clean_db(_initialize_db) -> Generator[None, None, None]:
     yield
     settings.Session.remove()
     clear_db()
+
+
+@pytest.fixture(scope="session")
+def api():
+    """
+    Airflow's execution API in-process (``ti_race.ExecutionApi``), built and warmed up once per run: building
+    its versioned routers takes seconds, and no test changes the app (each request opens its own session).
+    """
+    from tests.unit.ti_race import ExecutionApi
+
+    execution_api = ExecutionApi()
+    execution_api.warm_up()
+    return execution_api
 
 
 @pytest.fixture

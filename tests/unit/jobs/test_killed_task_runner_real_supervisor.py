@@ -122,14 +122,6 @@ with DAG({dag_id!r}, schedule=None, start_date=datetime(2026, 1, 1)):
 """
 
 
-@pytest.fixture(scope="module")
-def api():
-    """Airflow's execution API in-process; warmed up once per module (see ExecutionApi.warm_up)."""
-    execution_api = ExecutionApi()
-    execution_api.warm_up()
-    return execution_api
-
-
 class RecordingTransport(httpx.BaseTransport):
     """
     Passes each request to the in-process execution API and records the state reports; ``before``,

@@ -79,14 +79,6 @@ def hold_limit() -> timedelta:
     return failed_event_hold()
 
 
-@pytest.fixture(scope="module")
-def api():
-    """Airflow's execution API in-process; warmed up once per module (see ExecutionApi.warm_up)."""
-    execution_api = ExecutionApi()
-    execution_api.warm_up()
-    return execution_api
-
-
 def start(api: ExecutionApi, ti_id, *, hostname: str, pid: int) -> httpx.Response:
     """``PATCH /task-instances/{id}/run`` as a supervisor sends it when its task runner starts."""
     body = {

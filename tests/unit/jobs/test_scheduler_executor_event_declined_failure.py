@@ -49,13 +49,6 @@ def committed_requests() -> list:
         return [row.get_callback_request() for row in s.scalars(select(DbCallbackRequest))]
 
 
-@pytest.fixture(scope="module")
-def api():
-    execution_api = ExecutionApi()
-    execution_api.warm_up()
-    return execution_api
-
-
 def api_fail(api: ExecutionApi, ti_id) -> int:
     """The worker's supervisor reporting its task failed (TITerminalStatePayload)."""
     import httpx

@@ -43,13 +43,10 @@ PATCH = "Record-TaskInstanceHistory-when-a-task-fails-from-a-non-running-state.p
 pytestmark = pytest.mark.db_test
 
 
-@pytest.fixture(scope="module")
-def execution_api() -> Iterator[httpx.Client]:
-    """The real execution API app in process, as in test_scheduler_stale_executor_events."""
-    from airflow.api_fastapi.execution_api.app import InProcessExecutionAPI
-
-    api = InProcessExecutionAPI()
-    with httpx.Client(transport=api.transport, base_url="http://in-process.invalid/") as client:
+@pytest.fixture
+def execution_api(api) -> Iterator[httpx.Client]:
+    """A client of the run's execution API app (conftest's ``api``)."""
+    with httpx.Client(transport=api._transport, base_url="http://in-process.invalid/") as client:
         yield client
 
 

@@ -39,7 +39,6 @@ from tests.unit.api_fastapi.execution_api.versions.head.test_task_instances_unre
     running_try,
 )
 from tests.unit.conftest import duplicate_report_statuses
-from tests.unit.ti_race import ExecutionApi
 
 pytestmark = pytest.mark.db_test
 
@@ -47,14 +46,6 @@ P_KILLED = "Request-callbacks-for-tries-whose-task-runner-was-killed-by-a-signal
 
 SIGKILL_EXIT = -9
 SIGTERM_EXIT = -15
-
-
-@pytest.fixture(scope="module")
-def api():
-    """Airflow's execution API in-process; warmed up once per module (see ExecutionApi.warm_up)."""
-    execution_api = ExecutionApi()
-    execution_api.warm_up()
-    return execution_api
 
 
 def runner_exit(exit_code: int):

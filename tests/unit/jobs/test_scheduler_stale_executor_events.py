@@ -77,13 +77,10 @@ def _never(**_):  # pragma: no cover
 # --------------------------------------------------------------------------------------------
 # Worker side: the real execution API, in process (what a task's supervisor talks to).
 # --------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def execution_api() -> Iterator[httpx.Client]:
-    """The execution API app, built once per module (building it is the slow part)."""
-    from airflow.api_fastapi.execution_api.app import InProcessExecutionAPI
-
-    api = InProcessExecutionAPI()
-    with httpx.Client(transport=api.transport, base_url="http://in-process.invalid/") as client:
+@pytest.fixture
+def execution_api(api) -> Iterator[httpx.Client]:
+    """A client of the run's execution API app (conftest's ``api``)."""
+    with httpx.Client(transport=api._transport, base_url="http://in-process.invalid/") as client:
         yield client
 
 

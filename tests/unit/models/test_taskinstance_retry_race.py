@@ -43,7 +43,6 @@ from airflow.utils.state import TaskInstanceState
 
 from tests.unit.ti_race import (
     WAIT,
-    ExecutionApi,
     Pause,
     Worker,
     lock_waiters,
@@ -95,14 +94,6 @@ def reschedule_during_listener(api, ti_id) -> tuple[CallListener, list[Worker]]:
         )
 
     return CallListener(reschedule_while_listener_runs), calls
-
-
-@pytest.fixture(scope="module")
-def api():
-    """Airflow's execution API in-process; warmed up once per module (see ExecutionApi.warm_up)."""
-    execution_api = ExecutionApi()
-    execution_api.warm_up()
-    return execution_api
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ import pytest
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit.ti_race import (
-    ExecutionApi,
     Pause,
     Worker,
     handle_executor_events,
@@ -34,13 +33,6 @@ from tests.unit.ti_race import (
 pytestmark = pytest.mark.db_test
 
 PID = 4242
-
-
-@pytest.fixture(scope="module")
-def api() -> ExecutionApi:
-    api = ExecutionApi()
-    api.warm_up()
-    return api
 
 
 @pytest.mark.guard

@@ -29,7 +29,6 @@ from airflow.utils.state import TaskInstanceState
 
 from tests.unit.ti_race import (
     WAIT,
-    ExecutionApi,
     Pause,
     Worker,
     handle_executor_events,
@@ -45,13 +44,6 @@ P_WRITE_FIRST = "Reschedule-a-task-instance-only-while-it-is-running.patch"
 
 # The route's read of the task instance (the ``old`` select of ti_update_state).
 API_READS_TI = r"^\s*SELECT task_instance\.state, task_instance\.try_number, task_instance\.max_tries\b"
-
-
-@pytest.fixture(scope="module")
-def api() -> ExecutionApi:
-    api = ExecutionApi()
-    api.warm_up()
-    return api
 
 
 @pytest.mark.proves(P_WRITE_FIRST, base_ok_on=("postgres", "mysql"))

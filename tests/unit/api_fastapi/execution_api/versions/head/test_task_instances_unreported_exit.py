@@ -75,14 +75,6 @@ BOTH_CALLBACKS = {"on_failure_callback": on_failure, "on_retry_callback": on_ret
 # ----------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def api():
-    """Airflow's execution API in-process; warmed up once per module (see ExecutionApi.warm_up)."""
-    execution_api = ExecutionApi()
-    execution_api.warm_up()
-    return execution_api
-
-
 def report(api: ExecutionApi, ti_id, state: str, **fields) -> int:
     """
     ``PATCH /task-instances/{id}/state`` as the supervisor sends it at the end of a try.
