@@ -13,6 +13,8 @@ environment as for ``pytest``):
 
 One pytest run per tree state does both: at base + 1..k it runs step k's tests and then, last
 (``--proves-last``), the tests of patch k+1 for step 1 of the next patch; n + 1 runs for n patches.
+pytest reports a session fixture's failing teardown on the run's last test, one of patch k+1's: a test
+that fails only in teardown is no proof (a WRONG cell naming it), never a silent "fails before".
 
 Skips are counted and shown, never passed off as proof: a patch whose tests all skip on this backend
 (e.g. a row-lock change where Airflow takes no row locks) shows "ok 0 (N skipped)"; a patch with no
@@ -42,11 +44,17 @@ ROOT = tree.PROJECT
 
 @dataclass
 class Outcome:
-    """One test's result in one pytest run: ``passed`` | ``failed`` | ``skipped``, plus its marker data."""
+    """One test's result in one pytest run: ``passed`` | ``failed`` | ``skipped``, plus its marker data.
+
+    ``teardown_only``: failed only by an error in teardown. pytest reports the teardown of session (and
+    last-module) fixtures on the run's last test, which in a merged run is a fail-before test of the next
+    patch: such an error is no proof of that test (see :func:`judge_before`).
+    """
 
     result: str
     proves: str | None = None
     base_ok: bool = False
+    teardown_only: bool = False
 
 
 def outcomes(junit: Path) -> dict[str, Outcome]:
@@ -56,8 +64,12 @@ def outcomes(junit: Path) -> dict[str, Outcome]:
         name = f"{case.get('classname')}::{case.get('name')}"
         tags = {child.tag for child in case}
         result = "failed" if tags & {"failure", "error"} else "skipped" if "skipped" in tags else "passed"
+        failures = [child for child in case if child.tag in ("failure", "error")]
+        teardown_only = bool(failures) and all(
+            f.tag == "error" and (f.get("message") or "").startswith("failed on teardown") for f in failures
+        )
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
-        found[name] = Outcome(result, props.get("proves"), props.get("base_ok") == "True")
+        found[name] = Outcome(result, props.get("proves"), props.get("base_ok") == "True", teardown_only)
     return found
 
 
@@ -95,6 +107,11 @@ def judge_before(results: dict[str, Outcome]) -> Cell:
     for name, o in results.items():
         if o.result == "skipped":
             cell.skipped += 1
+        elif o.teardown_only:
+            cell.problems.append(
+                f"{name}: passes, then an error in teardown (pytest reports a session fixture's teardown on "
+                "the run's last test): not a proof; see the error in the pytest output"
+            )
         elif o.base_ok:
             cell.ok += o.result == "passed"
             if o.result != "passed":
@@ -121,6 +138,24 @@ def judge_passing(results: dict[str, Outcome], what: str) -> Cell:
     return cell
 
 
+def judge_run(
+    results: dict[str, Outcome], j: int, after_of: str | None, before_of: str | None
+) -> tuple[Cell | None, Cell | None, Cell | None]:
+    """
+    Judge the one pytest run at base + 1..j: (patch j's "passes after", step j's "suite green", patch j+1's
+    "fails before"); None where there is no such patch. The tests proving ``before_of`` (run last) are judged
+    only as patch j+1's "before", every other test as step j's suite.
+    """
+    step = {name: o for name, o in results.items() if before_of is None or o.proves != before_of}
+    after = suite = before = None
+    if after_of:
+        after = judge_passing({name: o for name, o in step.items() if o.proves == after_of}, "with its patch")
+        suite = judge_passing(step, f"at base + {j} patches")
+    if before_of:
+        before = judge_before({name: o for name, o in results.items() if o.proves == before_of})
+    return after, suite, before
+
+
 def verify(pytest_args: list[str]) -> int:
     patches = [p.name for p in tree.series(ROOT)]
     backend = os.environ.get("BACKEND", "sqlite")
@@ -139,14 +174,10 @@ def verify(pytest_args: list[str]) -> int:
             tree.checkout(ROOT, str(j))
             scope = [a for p in patches[:j] for a in ("--proves", p)] + (["--guards"] if j else [])
             results = run_pytest([*scope, *(["--proves-last", before_of] if before_of else [])], pytest_args)
+            after, suite, next_before = judge_run(results, j, after_of, before_of)
             if after_of:
-                step = {name: o for name, o in results.items() if before_of is None or o.proves != before_of}
-                own = {name: o for name, o in step.items() if o.proves == after_of}
-                after = judge_passing(own, "with its patch")
-                suite = judge_passing(step, f"at base + {j} patches")
                 rows.append((after_of, before, after, suite))
-            if before_of:
-                before = judge_before({name: o for name, o in results.items() if o.proves == before_of})
+            before = next_before
             print(f"    step done in {time.monotonic() - started:.0f} s", flush=True)
     width = max(len(p) for p in patches) if patches else 5
     base = tree.base_config(ROOT)["version"]
