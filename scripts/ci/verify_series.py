@@ -77,15 +77,24 @@ def run_pytest(args: list[str], pytest_args: list[str]) -> dict[str, Outcome]:
     """Run pytest in a subprocess with ``args``; return its outcomes (empty if nothing was collected)."""
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+        # -v: pytest names each test before running it, so the output of a run that dies (a crash, os._exit,
+        # a signal) ends with the test that killed it.
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={junit}"]
         proc = subprocess.run(
             [*cmd, *args, *pytest_args, "tests/unit"], cwd=ROOT, capture_output=True, text=True
         )
         if proc.returncode not in (0, 1, 5) or not junit.exists():
             raise RuntimeError(
-                f"pytest {' '.join(args)} could not run (exit {proc.returncode}):\n{proc.stdout}"
+                f"pytest {' '.join(args)} could not run (exit {proc.returncode}, no junit report; the last "
+                f"test named below is the one it was running when it died):\n{_tail(proc.stdout)}\n"
+                f"stderr:\n{_tail(proc.stderr)}"
             )
         return outcomes(junit)
+
+
+def _tail(text: str, lines: int = 40) -> str:
+    kept = text.rstrip().splitlines()[-lines:]
+    return "\n".join(kept)
 
 
 @dataclass

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "ci"))
 import verify_series  # noqa: E402
 
@@ -156,3 +158,20 @@ def test_session_teardown_error_on_the_last_test_is_no_proof(tmp_path: Path):
     assert str(before) == "WRONG 1"
     assert [p.split("::")[-1].split(":")[0] for p in before.problems] == ["test_next_passes"]
     assert "error in teardown" in before.problems[0]
+
+
+def test_a_run_that_dies_names_its_last_test_and_keeps_stderr(tmp_path: Path, monkeypatch):
+    """No junit report (the process died in a test, or a usage error): say where, with pytest's stderr."""
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    (tmp_path / "tests" / "unit" / "test_dies.py").write_text(
+        "import os\n\ndef test_fine():\n    pass\n\ndef test_dies():\n    os._exit(3)\n"
+    )
+    monkeypatch.setattr(verify_series, "ROOT", tmp_path)
+    with pytest.raises(RuntimeError) as died:
+        verify_series.run_pytest(["-p", "no:randomly"], [])
+    assert "(exit 3," in str(died.value)
+    last_line = str(died.value).split("stderr:")[0].rstrip().splitlines()[-1]
+    assert last_line.startswith("tests/unit/test_dies.py::test_dies")
+    with pytest.raises(RuntimeError) as usage:
+        verify_series.run_pytest(["--no-such-option"], [])
+    assert "unrecognized arguments: --no-such-option" in str(usage.value)
