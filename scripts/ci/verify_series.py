@@ -55,6 +55,7 @@ class Outcome:
     proves: str | None = None
     base_ok: bool = False
     teardown_only: bool = False
+    guard: bool = False
 
 
 def outcomes(junit: Path) -> dict[str, Outcome]:
@@ -69,7 +70,13 @@ def outcomes(junit: Path) -> dict[str, Outcome]:
             f.tag == "error" and (f.get("message") or "").startswith("failed on teardown") for f in failures
         )
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
-        found[name] = Outcome(result, props.get("proves"), props.get("base_ok") == "True", teardown_only)
+        found[name] = Outcome(
+            result,
+            props.get("proves"),
+            props.get("base_ok") == "True",
+            teardown_only,
+            props.get("guard") == "True",
+        )
     return found
 
 
@@ -153,9 +160,10 @@ def judge_run(
     """
     Judge the one pytest run at base + 1..j: (patch j's "passes after", step j's "suite green", patch j+1's
     "fails before"); None where there is no such patch. The tests proving ``before_of`` (run last) are judged
-    only as patch j+1's "before", every other test as step j's suite.
+    as patch j+1's "before" and, if also a guard (as a separate run of the step's suite selected it), in step
+    j's suite; every other test as step j's suite.
     """
-    step = {name: o for name, o in results.items() if before_of is None or o.proves != before_of}
+    step = {name: o for name, o in results.items() if before_of is None or o.proves != before_of or o.guard}
     after = suite = before = None
     if after_of:
         after = judge_passing({name: o for name, o in step.items() if o.proves == after_of}, "with its patch")

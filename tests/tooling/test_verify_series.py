@@ -94,6 +94,8 @@ def pytest_collection_modifyitems(items):
         if m:
             item.user_properties.append(("proves", m.args[0]))
             item.user_properties.append(("base_ok", False))
+        if item.get_closest_marker("guard"):
+            item.user_properties.append(("guard", True))
     last = [i for i in items if (m := i.get_closest_marker("proves")) and m.args[0] == "next.patch"]
     items[:] = [i for i in items if i not in last] + last
 """
@@ -117,6 +119,16 @@ def test_fix(shared):
 
 def test_guard(shared):
     assert not LEFT_BEHIND
+"""
+# A test of the next patch that is also a guard: a separate run of step j's suite (--proves 1..j --guards)
+# selects it, so it must pass there.
+GUARD_OF_NEXT = """
+import pytest
+
+@pytest.mark.guard
+@pytest.mark.proves("next.patch")
+def test_next_and_guard():
+    assert False
 """
 
 
@@ -175,3 +187,10 @@ def test_a_run_that_dies_names_its_last_test_and_keeps_stderr(tmp_path: Path, mo
     with pytest.raises(RuntimeError) as usage:
         verify_series.run_pytest(["--no-such-option"], [])
     assert "unrecognized arguments: --no-such-option" in str(usage.value)
+
+
+def test_a_guard_of_the_next_patch_is_also_in_the_steps_suite(tmp_path: Path):
+    (tmp_path / "test_guard_of_next.py").write_text(GUARD_OF_NEXT)
+    _, suite, before = verify_series.judge_run(run_merged(tmp_path), 1, "fix.patch", "next.patch")
+    assert short(suite) == ("WRONG 2", ["test_next_and_guard: fails at base + 1 patches"])
+    assert before.ok == 2  # and it fails before the next patch, as its other test does
