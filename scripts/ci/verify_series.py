@@ -13,6 +13,8 @@ environment as for ``pytest``):
 
 One pytest run per tree state does both: at base + 1..k it runs step k's tests and then, last
 (``--proves-last``), the tests of patch k+1 for step 1 of the next patch; n + 1 runs for n patches.
+pytest reports a session fixture's failing teardown on the run's last test, one of patch k+1's: a test
+that fails only in teardown is no proof (a WRONG cell naming it), never a silent "fails before".
 
 Skips are counted and shown, never passed off as proof: a patch whose tests all skip on this backend
 (e.g. a row-lock change where Airflow takes no row locks) shows "ok 0 (N skipped)"; a patch with no
@@ -42,11 +44,18 @@ ROOT = tree.PROJECT
 
 @dataclass
 class Outcome:
-    """One test's result in one pytest run: ``passed`` | ``failed`` | ``skipped``, plus its marker data."""
+    """One test's result in one pytest run: ``passed`` | ``failed`` | ``skipped``, plus its marker data.
+
+    ``teardown_only``: failed only by an error in teardown. pytest reports the teardown of session (and
+    last-module) fixtures on the run's last test, which in a merged run is a fail-before test of the next
+    patch: such an error is no proof of that test (see :func:`judge_before`).
+    """
 
     result: str
     proves: str | None = None
     base_ok: bool = False
+    teardown_only: bool = False
+    guard: bool = False
 
 
 def outcomes(junit: Path) -> dict[str, Outcome]:
@@ -56,8 +65,18 @@ def outcomes(junit: Path) -> dict[str, Outcome]:
         name = f"{case.get('classname')}::{case.get('name')}"
         tags = {child.tag for child in case}
         result = "failed" if tags & {"failure", "error"} else "skipped" if "skipped" in tags else "passed"
+        failures = [child for child in case if child.tag in ("failure", "error")]
+        teardown_only = bool(failures) and all(
+            f.tag == "error" and (f.get("message") or "").startswith("failed on teardown") for f in failures
+        )
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
-        found[name] = Outcome(result, props.get("proves"), props.get("base_ok") == "True")
+        found[name] = Outcome(
+            result,
+            props.get("proves"),
+            props.get("base_ok") == "True",
+            teardown_only,
+            props.get("guard") == "True",
+        )
     return found
 
 
@@ -65,15 +84,24 @@ def run_pytest(args: list[str], pytest_args: list[str]) -> dict[str, Outcome]:
     """Run pytest in a subprocess with ``args``; return its outcomes (empty if nothing was collected)."""
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+        # -v: pytest names each test before running it, so the output of a run that dies (a crash, os._exit,
+        # a signal) ends with the test that killed it.
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={junit}"]
         proc = subprocess.run(
             [*cmd, *args, *pytest_args, "tests/unit"], cwd=ROOT, capture_output=True, text=True
         )
         if proc.returncode not in (0, 1, 5) or not junit.exists():
             raise RuntimeError(
-                f"pytest {' '.join(args)} could not run (exit {proc.returncode}):\n{proc.stdout}"
+                f"pytest {' '.join(args)} could not run (exit {proc.returncode}, no junit report; the last "
+                f"test named below is the one it was running when it died):\n{_tail(proc.stdout)}\n"
+                f"stderr:\n{_tail(proc.stderr)}"
             )
         return outcomes(junit)
+
+
+def _tail(text: str, lines: int = 40) -> str:
+    kept = text.rstrip().splitlines()[-lines:]
+    return "\n".join(kept)
 
 
 @dataclass
@@ -95,6 +123,11 @@ def judge_before(results: dict[str, Outcome]) -> Cell:
     for name, o in results.items():
         if o.result == "skipped":
             cell.skipped += 1
+        elif o.teardown_only:
+            cell.problems.append(
+                f"{name}: passes, then an error in teardown (pytest reports a session fixture's teardown on "
+                "the run's last test): not a proof; see the error in the pytest output"
+            )
         elif o.base_ok:
             cell.ok += o.result == "passed"
             if o.result != "passed":
@@ -121,6 +154,25 @@ def judge_passing(results: dict[str, Outcome], what: str) -> Cell:
     return cell
 
 
+def judge_run(
+    results: dict[str, Outcome], j: int, after_of: str | None, before_of: str | None
+) -> tuple[Cell | None, Cell | None, Cell | None]:
+    """
+    Judge the one pytest run at base + 1..j: (patch j's "passes after", step j's "suite green", patch j+1's
+    "fails before"); None where there is no such patch. The tests proving ``before_of`` (run last) are judged
+    as patch j+1's "before" and, if also a guard (as a separate run of the step's suite selected it), in step
+    j's suite; every other test as step j's suite.
+    """
+    step = {name: o for name, o in results.items() if before_of is None or o.proves != before_of or o.guard}
+    after = suite = before = None
+    if after_of:
+        after = judge_passing({name: o for name, o in step.items() if o.proves == after_of}, "with its patch")
+        suite = judge_passing(step, f"at base + {j} patches")
+    if before_of:
+        before = judge_before({name: o for name, o in results.items() if o.proves == before_of})
+    return after, suite, before
+
+
 def verify(pytest_args: list[str]) -> int:
     patches = [p.name for p in tree.series(ROOT)]
     backend = os.environ.get("BACKEND", "sqlite")
@@ -139,14 +191,10 @@ def verify(pytest_args: list[str]) -> int:
             tree.checkout(ROOT, str(j))
             scope = [a for p in patches[:j] for a in ("--proves", p)] + (["--guards"] if j else [])
             results = run_pytest([*scope, *(["--proves-last", before_of] if before_of else [])], pytest_args)
+            after, suite, next_before = judge_run(results, j, after_of, before_of)
             if after_of:
-                step = {name: o for name, o in results.items() if before_of is None or o.proves != before_of}
-                own = {name: o for name, o in step.items() if o.proves == after_of}
-                after = judge_passing(own, "with its patch")
-                suite = judge_passing(step, f"at base + {j} patches")
                 rows.append((after_of, before, after, suite))
-            if before_of:
-                before = judge_before({name: o for name, o in results.items() if o.proves == before_of})
+            before = next_before
             print(f"    step done in {time.monotonic() - started:.0f} s", flush=True)
     width = max(len(p) for p in patches) if patches else 5
     base = tree.base_config(ROOT)["version"]

@@ -247,14 +247,12 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line("markers", "guard: behaviour that must hold before and after every patch")
 
-    wanted = config.getoption("--proves")
-    if config.getoption("--proves-last") is not None:
-        wanted = [*(wanted or ()), config.getoption("--proves-last")]
-    if wanted is not None:
-        series = read_series()
-        unknown = [w for w in wanted if series is not None and w not in series]
+    series = read_series()
+    last = config.getoption("--proves-last")
+    for option, wanted in (("--proves", config.getoption("--proves") or []), ("--proves-last", [last])):
+        unknown = [w for w in wanted if w is not None and series is not None and w not in series]
         if unknown:
-            raise pytest.UsageError(f"--proves {', '.join(unknown)}: not listed in {SERIES_FILE}")
+            raise pytest.UsageError(f"{option} {', '.join(unknown)}: not listed in {SERIES_FILE}")
 
 
 def _proves_args(item: pytest.Item, series: list[str] | None) -> tuple[str, tuple[str, ...]] | None:

@@ -37,6 +37,7 @@ next heartbeat gets 409, it kills the runner and reports nothing.
 from __future__ import annotations
 
 import signal
+import sys
 import textwrap
 from pathlib import Path
 
@@ -312,24 +313,30 @@ def test_last_try_callback_that_exits_sends_what_a_startup_failure_sends(
 # A user marks the running try failed
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture
-def prompt_supervisor(monkeypatch):
+def prompt_supervisor(monkeypatch) -> list[tuple[str, signal.Signals]]:
     """
     The supervisor's timings shortened, its steps kept: a heartbeat every 0.2 s (``[workers]
     min_heartbeat_interval``, default 5 s, read at import) and 0.5 s between SIGTERM and SIGKILL (``kill()``'s
-    ``escalation_delay``, default 5 s). Only the waits change: the test still sees the 409, SIGTERM, SIGKILL.
+    ``escalation_delay``, default 5 s). Only the waits change. Returns the ``kill()`` calls (the supervisor
+    method that called it, the first signal): a heartbeat every 0.2 s also reaches ``[workers]
+    max_failed_heartbeats`` (3) in 0.6 s, and that kill (from ``_handle_heartbeat_failures``) ends the
+    runner the same way as the 409's (from ``_send_heartbeat_if_needed``).
     """
     import inspect
 
     from airflow.sdk.execution_time import supervisor
 
+    kills: list[tuple[str, signal.Signals]] = []
     monkeypatch.setattr(supervisor, "MIN_HEARTBEAT_INTERVAL", 0.2)
     kill = supervisor.ActivitySubprocess.kill
     assert inspect.signature(kill).parameters["escalation_delay"].default == 5.0
 
     def prompt_kill(self, signal_to_send=signal.SIGINT, escalation_delay: float = 5.0, force: bool = False):
+        kills.append((sys._getframe(1).f_code.co_name, signal_to_send))
         return kill(self, signal_to_send, escalation_delay=min(escalation_delay, 0.5), force=force)
 
     monkeypatch.setattr(supervisor.ActivitySubprocess, "kill", prompt_kill)
+    return kills
 
 
 @pytest.mark.guard
@@ -360,6 +367,9 @@ def test_user_marked_running_try_failed_gets_no_callback(
     executor_event(runner, ti, SUCCESS, local_event(exit_code) if executor == "local" else None)
 
     assert marked == [1]
+    # Killed once, on the heartbeat's 409 (not after failed heartbeats): kill(SIGTERM, force=True) sends
+    # SIGTERM, then SIGKILL, of which the runner dies.
+    assert prompt_supervisor == [("_send_heartbeat_if_needed", signal.SIGTERM)]
     assert (exit_code, reports, ran) == (SIGKILL_EXIT, [], [])
     assert committed_state(ti) == FAILED
     assert callbacks_of_try(ti) == []
