@@ -56,6 +56,7 @@ class Outcome:
     base_ok: bool = False
     teardown_only: bool = False
     guard: bool = False
+    setup_only: bool = False
 
 
 def outcomes(junit: Path) -> dict[str, Outcome]:
@@ -69,6 +70,9 @@ def outcomes(junit: Path) -> dict[str, Outcome]:
         teardown_only = bool(failures) and all(
             f.tag == "error" and (f.get("message") or "").startswith("failed on teardown") for f in failures
         )
+        setup_only = bool(failures) and all(
+            f.tag == "error" and (f.get("message") or "").startswith("failed on setup") for f in failures
+        )
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
         found[name] = Outcome(
             result,
@@ -76,6 +80,7 @@ def outcomes(junit: Path) -> dict[str, Outcome]:
             props.get("base_ok") == "True",
             teardown_only,
             props.get("guard") == "True",
+            setup_only,
         )
     return found
 
@@ -111,10 +116,14 @@ class Cell:
     ok: int = 0
     skipped: int = 0
     problems: list[str] = field(default_factory=list)
+    in_setup: int = 0  # of ``ok`` in a "fails before" cell: failed in setup, not in the test itself
 
     def __str__(self) -> str:
         text = ("ok" if not self.problems else "WRONG") + f" {self.ok}"
-        return text + (f" ({self.skipped} skipped)" if self.skipped else "")
+        notes = [f"{self.skipped} skipped"] * bool(self.skipped) + [f"{self.in_setup} in setup"] * bool(
+            self.in_setup
+        )
+        return text + (f" ({', '.join(notes)})" if notes else "")
 
 
 def judge_before(results: dict[str, Outcome]) -> Cell:
@@ -134,6 +143,9 @@ def judge_before(results: dict[str, Outcome]) -> Cell:
                 cell.problems.append(f"{name}: fails where base_ok_on says the base is not vulnerable")
         elif o.result == "failed":
             cell.ok += 1
+            # Shown, not judged: in the merged run a fixture can fail in setup because of what the step's suite
+            # left behind (a separate run would not see it); "N in setup" says to look at that test's error.
+            cell.in_setup += o.setup_only
         else:
             cell.problems.append(f"{name}: passes without its patch: does not prove it")
     if not cell.ok and not cell.skipped:

@@ -194,3 +194,36 @@ def test_a_guard_of_the_next_patch_is_also_in_the_steps_suite(tmp_path: Path):
     _, suite, before = verify_series.judge_run(run_merged(tmp_path), 1, "fix.patch", "next.patch")
     assert short(suite) == ("WRONG 2", ["test_next_and_guard: fails at base + 1 patches"])
     assert before.ok == 2  # and it fails before the next patch, as its other test does
+
+
+# A suite test leaves something behind that breaks only the setup of the next patch's test (run last): the
+# merged run shows such a failure in the "fails before" cell ("N in setup") instead of passing it off silently.
+SETUP_LEFTOVER_TESTS = """
+import pytest
+
+LEFT_BEHIND = []
+
+@pytest.fixture
+def clean():
+    assert not LEFT_BEHIND, "the step's suite left something behind"
+
+def test_guard_leaves_state():
+    LEFT_BEHIND.append("a lock nobody released")
+
+@pytest.mark.proves("next.patch")
+def test_next_bug(clean):
+    assert False, "the bug"
+"""
+
+
+def test_fail_before_in_setup_is_shown(tmp_path: Path):
+    (tmp_path / "conftest.py").write_text(MERGED_CONFTEST)
+    (tmp_path / "test_leftover.py").write_text(SETUP_LEFTOVER_TESTS)
+    junit = tmp_path / "junit.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
+    cmd += ["-o", "markers=proves", f"--junitxml={junit}", f"--rootdir={tmp_path}", str(tmp_path)]
+    subprocess.run(cmd, capture_output=True, check=False)
+    results = verify_series.outcomes(junit)
+    assert results["test_leftover::test_next_bug"].setup_only
+    _, _, before = verify_series.judge_run(results, 1, "fix.patch", "next.patch")
+    assert short(before) == ("ok 1 (1 in setup)", [])
