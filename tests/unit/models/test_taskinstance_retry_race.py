@@ -291,42 +291,6 @@ def test_sqlite_reschedule_while_failure_listener_runs(dag_maker, session, liste
     assert assert_consistent(read_rows(*_key(ti)), old_id, api_call.result) == "failure won"
 
 
-@pytest.mark.guard
-@pytest.mark.backend("sqlite")
-def test_sqlite_reschedule_between_failure_read_and_write_is_overwritten(
-    dag_maker, session, listener_manager, api, pauses
-):
-    """
-    Documents SQLite (no row locks; ``FOR UPDATE`` is not emitted): lock order 2 cannot be
-    serialised. A reschedule the API commits after failure handling read the TI and before it
-    writes is overwritten by the retry: no error on either side, the TI gets a new id and is
-    up_for_retry, no task_reschedule row is left, but the API had answered 204. SQLite serialises
-    only writers (its database lock), and failure handling has not written yet at that point.
-    Same on 3.3.2 and with the series.
-    """
-    listener_manager(CallListener())
-    (ti,) = make_running_tis(dag_maker, session, dag_id="sqlite_order2")
-    old_id = ti.id
-    failure = run_in_scheduler_thread(handle_failure_of(_key(ti), ti.task))
-    paused = pauses(READS_TRY_HISTORY, thread=failure)
-
-    failure.start()
-    assert paused.reached.wait(WAIT)
-    status = api.reschedule(old_id)
-    paused.release()
-    failure.join_or_fail()
-
-    assert failure.error is None
-    assert status == 204
-    rows = read_rows(*_key(ti))
-    assert (rows.state, rows.ti_id != old_id, rows.reschedule_ti_ids, rows.history_tries) == (
-        TaskInstanceState.UP_FOR_RETRY,
-        True,
-        [],
-        [1],
-    )
-
-
 @pytest.mark.proves(P2)
 @pytest.mark.backend("postgres", "mysql")
 def test_clearing_running_sensor_while_reschedule_in_flight(dag_maker, session, api, pauses):
