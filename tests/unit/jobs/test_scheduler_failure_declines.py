@@ -288,14 +288,25 @@ def skip_where_the_scan_locks(session) -> None:
             "holds the row until the purge commits: another writer waits, there is no window "
             "(tests of the row-lock patch)"
         )
-    from airflow.models import taskinstance
-
-    if hasattr(taskinstance, "_lock_sqlite_database"):
+    if _sqlite_write_lock_at("revalidation"):
         pytest.skip(
             "sqlite: revalidation takes the database's write lock (BEGIN IMMEDIATE, "
             "Read-a-failing-task-instance-under-SQLite-s-write-lock.patch) and holds it until the purge "
             "commits: another writer waits, there is no window"
         )
+
+
+def _sqlite_write_lock_at(where: str) -> bool:
+    """
+    Whether the tree under test takes SQLite's write lock at failure handling's check (patch 19), and, for
+    ``where="revalidation"``, already at the purge's revalidation (its 3.3.2 / 3.2.2 shape, which reads the
+    row through ``TaskInstance._lock_and_read_row``; the 3.1.8 queue's revalidation reads without it).
+    """
+    from airflow.models import taskinstance
+
+    if not hasattr(taskinstance, "_lock_sqlite_database"):
+        return False
+    return where != "revalidation" or hasattr(TI, "_lock_and_read_row")
 
 
 @pytest.mark.proves(PATCH)
@@ -382,7 +393,12 @@ def test_heartbeat_purge_rolls_back_when_failure_handling_declines(
     added. ``handle_failure`` then declines without committing, and the purge rolls back what it
     added for the TI: nothing is committed, the executor is not told FAILED.
     """
-    skip_where_the_scan_locks(session)
+    if _sqlite_write_lock_at("check"):
+        pytest.skip(
+            "sqlite: failure handling's check takes the database's write lock (BEGIN IMMEDIATE, "
+            "Read-a-failing-task-instance-under-SQLite-s-write-lock.patch) and holds it until the purge "
+            "commits: the worker's commit after it waits, there is no window"
+        )
     runner = scheduler_job_runner
     dr, ti_id = timed_out_ti("hb_declined", on_failure_callback=on_failure, retries=1, **EMAIL_KWARGS)
 
