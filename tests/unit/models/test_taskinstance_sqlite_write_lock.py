@@ -19,10 +19,11 @@ import threading
 import pytest
 from sqlalchemy import event
 
+import airflow
+
 from airflow import settings
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit import conftest
 from tests.unit.jobs import test_scheduler_heartbeat_timeout as heartbeat_tests
 from tests.unit.jobs.test_scheduler_heartbeat_timeout import on_failure, purge
 from tests.unit.models.test_taskinstance_retry_race import (
@@ -68,7 +69,7 @@ class Statements:
 
 @pytest.mark.proves(PATCH, base_ok_on=("postgres", "mysql"))
 @pytest.mark.skipif(
-    conftest._release(conftest.BASE_VERSION) < (3, 2),
+    airflow.__version__.startswith("3.1."),
     reason="the 3.1.8 queue carries the row-lock patch in its shape before the issue-17 amendment: a locking "
     "read of the row at each check, nothing remembered per transaction (on every backend)",
 )
