@@ -464,10 +464,25 @@ class Inliner:
             o_edits = Edits(segment(src.splitlines(keepends=True), node))
             shift = first_line(node) - 1
             refs: list[tuple[Path, str]] = []
+            # A function-local import from a project module (e.g. a fixture importing a helper lazily): the
+            # import goes, its names are inlined like the module's own project imports.
+            for n in ast.walk(node):
+                if (
+                    n is not node
+                    and isinstance(n, ast.ImportFrom)
+                    and (sub := project_module(self.root, n.module, n.level)) is not None
+                ):
+                    o_edits.lines(n.lineno - shift, n.end_lineno - shift)  # type: ignore[operator]
+                    for a in n.names:
+                        if a.asname and a.asname != a.name:
+                            left.append(f"{a.asname} (imported as another name: {a.name})")
+                        refs.append((sub, a.name))
             local = {
                 (a.asname or a.name).split(".")[0]
                 for n in ast.walk(node)
-                if isinstance(n, ast.Import | ast.ImportFrom) and n is not node
+                if isinstance(n, ast.Import | ast.ImportFrom)
+                and n is not node
+                and not (isinstance(n, ast.ImportFrom) and project_module(self.root, n.module, n.level))
                 for a in n.names
             }
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):  # its parameters and local variables

@@ -608,3 +608,47 @@ def test_a_plain_import_of_a_project_module_used_dotted_is_a_name_left(tmp_path:
     text, inlined, left = _find_one(tmp_path, module, "test_dotted")
     assert "tests.unit.helpers.helper_mod(1)" in text
     assert left == ["tests (import tests.unit.helpers: a dotted use is not inlined)"]
+
+
+LAZY_FIXTURE = """from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.proves("Mine.patch")
+def test_uses_the_api(api):
+    assert api.ping() == "pong"
+"""
+LAZY_CONFTEST = """import pytest
+
+
+@pytest.fixture(scope="session")
+def api():
+    from tests.unit.helpers import ExecutionApi
+
+    return ExecutionApi()
+"""
+LAZY_HELPERS = """class ExecutionApi:
+    def ping(self) -> str:
+        return "pong"
+"""
+
+
+def test_a_fixture_importing_a_helper_in_its_body_is_inlined_with_the_helper(tmp_path: Path):
+    """A project fixture that imports a project helper inside its body (the conftest's session-scoped
+    ``api``): the export inlines the fixture and the helper, and keeps no ``from tests.unit...`` import
+    (it had left one, reported as project-only, in every export whose tests use the fixture)."""
+    import export
+
+    module = _project(tmp_path, LAZY_FIXTURE, {"conftest.py": LAZY_CONFTEST, "helpers.py": LAZY_HELPERS})
+    items = [{"cls": None, "func": "test_uses_the_api", "proves": "Mine.patch", "indices": {}}]
+    text, found = export.for_upstream(LAZY_FIXTURE, "Mine.patch", items)
+    assert found
+    conftest = tmp_path / "tests/unit/conftest.py"
+    text, inlined, left = export.Inliner(tmp_path).inline(text, module, {(conftest, "api")})
+    assert left == []
+    assert "tests.unit" not in text
+    assert "class ExecutionApi:" in text and "def api():" in text
+    namespace: dict = {}
+    exec(compile(text, "exported", "exec"), namespace)  # the export's module runs as written
+    assert namespace["api"].__wrapped__().ping() == "pong"
