@@ -68,7 +68,7 @@ def carries(patch: str) -> bool:
 
 # Test modules about one patch of the 3.3.2 queue (its regression tests and the guards written with
 # it), added after the older bases' queues were made: not collected on a base whose queue does not
-# carry that patch (they import or rely on what only it brings). README: "Per base".
+# carry that patch (they import or rely on what only it brings). README: "Bases".
 _MODULE_OF_PATCH = {
     "jobs/test_scheduler_executor_events_kept.py": "Keep-executor-events-until-their-effects-are-committed.patch",
     "jobs/test_scheduler_failure_from_queued_history.py": (
