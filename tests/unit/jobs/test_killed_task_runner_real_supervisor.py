@@ -38,9 +38,9 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+import airflow
 import httpx
 import pytest
-
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit.api_fastapi.execution_api.versions.head.test_task_instances_unreported_exit import (
@@ -52,14 +52,14 @@ from tests.unit.api_fastapi.execution_api.versions.head.test_task_instances_unre
     committed_state,
     running_try,
 )
-from tests.unit.conftest import BASE_VERSION, retry_report_fields, supervise_in_process
+from tests.unit.conftest import retry_report_fields, supervise_in_process
 from tests.unit.jobs.test_scheduler_killed_task_runner_callback import executor_event, runner_exit
 from tests.unit.ti_race import ExecutionApi
 
 pytestmark = pytest.mark.db_test
 
 _supervisor = pytest.importorskip("airflow.sdk.execution_time.supervisor")
-if not hasattr(_supervisor, "supervise_task") and BASE_VERSION.startswith("3.2."):
+if not hasattr(_supervisor, "supervise_task") and airflow.__version__.startswith("3.2."):
     pytest.skip(
         "this task-sdk has no supervise_task() (task-sdk 1.2.x, the 3.2.2 base's); the module drives a real "
         "supervisor through it (task-sdk 1.3.x, 3.3.2) or through supervise(client=...) (task-sdk 1.1.x, "

@@ -84,7 +84,7 @@ def execution_api(api) -> Iterator[httpx.Client]:
         yield client
 
 
-class Worker:
+class TaskWorker:
     """One worker process of a try, as the execution API sees it."""
 
     def __init__(self, client: httpx.Client, ti: TaskInstance) -> None:
@@ -238,7 +238,7 @@ def _first_poke_rescheduled(session, runner, api, dag_run, tis) -> None:
     _schedule(session, dag_run, tis)
     _queue(session, runner, tis)
     for ti in tis:
-        worker = Worker(api, _reload(session, ti))
+        worker = TaskWorker(api, _reload(session, ti))
         worker.start()
         worker.reschedule()
 
@@ -250,7 +250,7 @@ def _second_poke_reaches(session, runner, api, dag_run, tis, live_state: TaskIns
         _queue(session, runner, tis)
     if live_state == TaskInstanceState.RUNNING:
         for ti in tis:
-            Worker(api, _reload(session, ti)).start()
+            TaskWorker(api, _reload(session, ti)).start()
 
 
 def _deferred_and_resumed(session, runner, api, dag_run, tis, live_state: TaskInstanceState) -> None:
@@ -258,7 +258,7 @@ def _deferred_and_resumed(session, runner, api, dag_run, tis, live_state: TaskIn
     _schedule(session, dag_run, tis)
     _queue(session, runner, tis)
     for ti in tis:
-        worker = Worker(api, _reload(session, ti))
+        worker = TaskWorker(api, _reload(session, ti))
         worker.start()
         worker.defer()
     session.expire_all()
@@ -271,7 +271,7 @@ def _deferred_and_resumed(session, runner, api, dag_run, tis, live_state: TaskIn
         _queue(session, runner, tis)
     if live_state == TaskInstanceState.RUNNING:
         for ti in tis:
-            Worker(api, _reload(session, ti)).start()
+            TaskWorker(api, _reload(session, ti)).start()
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,7 +356,7 @@ def test_sensor_killed_during_first_poke_is_failed_once(
     dag_run, (ti,) = _make_sensors(dag_maker, session)
     _schedule(session, dag_run, [ti])
     _queue(session, runner, [ti])
-    Worker(execution_api, _reload(session, ti)).start()
+    TaskWorker(execution_api, _reload(session, ti)).start()
     running = _reload(session, ti)
     assert running.state == TaskInstanceState.RUNNING
 
@@ -458,7 +458,7 @@ def test_one_batch_tells_stale_from_dead_per_task_instance(
     _second_poke_reaches(session, runner, execution_api, dag_run, [stale_ti], TaskInstanceState.RUNNING)
     _schedule(session, dag_run, [_reload(session, dead_ti)])
     _queue(session, runner, [dead_ti])
-    Worker(execution_api, _reload(session, dead_ti)).start()
+    TaskWorker(execution_api, _reload(session, dead_ti)).start()
 
     _drain_late_success(runner, [_reload(session, stale_ti), _reload(session, dead_ti)])
     _process_events(runner, session)
