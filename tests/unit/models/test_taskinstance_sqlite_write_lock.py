@@ -34,7 +34,7 @@ from tests.unit.models.test_taskinstance_retry_race import (
     pauses,  # noqa: F401 (fixture)
     run_in_scheduler_thread,
 )
-from tests.unit.ti_race import WAIT, lock_waiters, make_running_tis, read_rows, wait_until
+from tests.unit.ti_race import WAIT, StatementLog, lock_waiters, make_running_tis, read_rows, wait_until
 
 PATCH = "Read-a-failing-task-instance-under-SQLite-s-write-lock.patch"
 
@@ -49,22 +49,6 @@ READS_TI_BY_ID = re.compile(
     re.IGNORECASE | re.DOTALL,
 )
 API_UPDATES_TI = re.compile(r"^\s*UPDATE task_instance SET\b", re.IGNORECASE)
-
-
-class Statements:
-    """The statements one thread sends on ``settings.engine`` (``before_cursor_execute``), while installed."""
-
-    def __init__(self, thread: threading.Thread | None = None) -> None:
-        self.thread = thread
-        self.sent: list[str] = []
-        event.listen(settings.engine, "before_cursor_execute", self._before)
-
-    def _before(self, conn, cursor, statement, parameters, context, executemany) -> None:
-        if self.thread is None or threading.current_thread() is self.thread:
-            self.sent.append(statement)
-
-    def remove(self) -> None:
-        event.remove(settings.engine, "before_cursor_execute", self._before)
 
 
 @pytest.mark.proves(PATCH, base_ok_on=("postgres", "mysql"))
@@ -84,14 +68,14 @@ def test_purge_reads_a_timed_out_task_instance_once(
     """
     runner = scheduler_job_runner
     dr, ti_id = timed_out_ti("sqlite_one_read", on_failure_callback=on_failure, retries=1)
-    statements = Statements(threading.current_thread())
+    statements = StatementLog()
     try:
         purge(runner)
     finally:
         statements.remove()
     rows = read_rows(dr.dag_id, "t", dr.run_id)
     assert rows.state == TaskInstanceState.UP_FOR_RETRY, rows
-    reads = sum(1 for statement in statements.sent if READS_TI_BY_ID.search(statement))
+    reads = sum(1 for statement in statements.statements if READS_TI_BY_ID.search(statement))
     assert reads == 1, f"the pass read the task instance row by id {reads} times"
 
 

@@ -11,7 +11,6 @@ the read statement has run, in the purge's revalidation: it must not get it.
 
 from __future__ import annotations
 
-import re
 import threading
 
 import pytest
@@ -23,6 +22,7 @@ from airflow.utils.state import TaskInstanceState
 from tests.unit.jobs import test_scheduler_heartbeat_timeout as heartbeat_tests
 from tests.unit.jobs.test_scheduler_heartbeat_timeout import on_failure, purge
 from tests.unit.models.test_taskinstance_retry_race import _row_lock_free
+from tests.unit.models.test_taskinstance_sqlite_write_lock import READS_TI_BY_ID
 from tests.unit.ti_race import read_rows
 
 PATCH = "Read-a-failing-task-instance-under-SQLite-s-write-lock.patch"
@@ -31,11 +31,6 @@ pytestmark = pytest.mark.db_test
 
 clock = heartbeat_tests.clock
 timed_out_ti = heartbeat_tests.timed_out_ti
-
-READS_TI_BY_ID = re.compile(
-    r"^\s*SELECT task_instance\.id, task_instance\.task_id\b.*\bFROM task_instance\s+WHERE task_instance\.id = ",
-    re.IGNORECASE | re.DOTALL,
-)
 
 
 @pytest.mark.proves(PATCH, base_ok_on=("postgres", "mysql"))
