@@ -319,6 +319,16 @@ def concurrent_table(res: dict[str, dict]) -> str:
                         f"{k} {v}" for k, v in sorted(r["outcomes"].items()) if k != "retry_over_reschedule"
                     ),
                     r["outcomes"].get("retry_over_reschedule", "n/a"),
+                    (
+                        "n/a"
+                        if "listeners_in_background" not in r
+                        else f"{r['listener_calls']}, "
+                        + (
+                            f"background thread ({r['listener_calls_queued_at_end']} queued at the end)"
+                            if r["listeners_in_background"]
+                            else "scheduler thread"
+                        )
+                    ),
                 ]
             )
     return table(
@@ -334,6 +344,7 @@ def concurrent_table(res: dict[str, dict]) -> str:
             "API results",
             "final TI states",
             "UP_FOR_RETRY over a committed reschedule (lost update)",
+            "listener calls, where they ran",
         ],
         rows,
     )
@@ -538,7 +549,10 @@ def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[st
         "a second thread/connection calls the real execution-API route functions `ti_heartbeat` then "
         "`ti_update_state` (reschedule) with SessionDep semantics. A scheduler crash is an exception leaving "
         "`_process_executor_events` (a real scheduler exits); the harness rolls back and carries on. "
-        "Lock waits: row-locking SELECTs slower than 5 ms. The TIs' last heartbeat: "
+        "Lock waits: row-locking SELECTs slower than 5 ms. The scheduler side runs as "
+        "`SchedulerJobRunner._execute` runs its loop: inside `runner.failure_listeners_in_background()` where "
+        "the tree has it (the series: the listener runs off the scheduler's thread; the base calls it inline). "
+        "The TIs' last heartbeat: "
         + (
             "older than the heartbeat timeout (`--stale-heartbeats`: the series handles the events at once)."
             if getattr(args, "stale_heartbeats", False)

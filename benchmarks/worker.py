@@ -458,7 +458,14 @@ def bench_concurrent(
     timeout (a dead worker's tries): the series' patch 17 holds a FAILED event of a try with a recent
     heartbeat (judged again on later loops, not within this benchmark's 3 passes per batch), and
     handles one without a recent heartbeat at once, as the base handles every event.
+
+    The scheduler side runs as ``SchedulerJobRunner._execute`` runs its loop: inside
+    ``runner.failure_listeners_in_background()`` where the tree has it (the series), so there the
+    ``latency``-second listener runs off the scheduler's thread; listener calls still queued when the
+    last round ends are counted (``listener_calls_queued_at_end``), then the block's exit waits for them.
     """
+    import contextlib
+
     from airflow.models.dagbag import DBDagBag
 
     out = []
@@ -469,8 +476,14 @@ def bench_concurrent(
         api_factory = H.make_session_factory(api_engine)
         dag_bag = DBDagBag()
         LISTENER.latency = latency
+        LISTENER.calls.clear()
         with settings.NonScopedSession() as s:
             dag = H.write_dag("bench_concurrent", 10, retries=1, callbacks=True, session=s)
+        # As SchedulerJobRunner._execute runs its loop: inside failure_listeners_in_background() where
+        # the tree has it (the series' patch 16 runs on_task_instance_failed calls off the loop's thread).
+        background = getattr(runner, "failure_listeners_in_background", None)
+        listener_calls = contextlib.ExitStack()
+        in_background = listener_calls.enter_context(background()) if background is not None else None
         me = threading.get_ident()
         sched_time = 0.0
         events = handled = crashes = 0
@@ -595,6 +608,8 @@ def bench_concurrent(
                         )
                         not_handled[name] = not_handled.get(name, 0) + 1
                     leftover.clear()
+        queued_at_end = len(in_background.pending()) if in_background is not None else 0
+        listener_calls.close()  # the scheduler's shutdown: waits up to 5 s for queued calls
         api_engine.dispose()
         examples = api.pop("api_error_examples", [])
         out.append(
@@ -622,6 +637,9 @@ def bench_concurrent(
                 "api_lock_wait_s": api_counter.lock_wait_s,
                 "sched_commits": sched_counter.commits,
                 "sched_statements": sched_counter.statements,
+                "listeners_in_background": in_background is not None,
+                "listener_calls": len(LISTENER.calls),
+                "listener_calls_queued_at_end": queued_at_end,
             }
         )
         r = out[-1]
@@ -709,8 +727,9 @@ class DeliveryListener:
                     self.all_done.set()
 
 
+# Registered only while benchmark 5 runs (``bench_slow_listener``): its database read per call
+# would otherwise be a listener in every other benchmark too.
 DELIVERY = DeliveryListener()
-get_listener_manager().add_listener(DELIVERY)
 
 
 class HeartbeatAge(threading.Thread):
@@ -804,6 +823,7 @@ def bench_slow_listener(latency: float, n: int, hang: float = 0.0, hang_timeout:
     with settings.NonScopedSession() as s:
         dag = H.write_dag("bench_slow_listener", n, retries=1, session=s)
     background = getattr(runner, "failure_listeners_in_background", None)
+    get_listener_manager().add_listener(DELIVERY)
     capture = LogCapture()
     logging.getLogger("airflow.listeners.background").addHandler(capture)
     logging.getLogger("airflow.listeners.background").setLevel(logging.INFO)
@@ -907,6 +927,7 @@ def bench_slow_listener(latency: float, n: int, hang: float = 0.0, hang_timeout:
         )
     logging.getLogger("airflow.listeners.background").removeHandler(capture)
     os.environ.pop("AIRFLOW__SCHEDULER__TASK_INSTANCE_FAILED_LISTENER_TIMEOUT", None)
+    get_listener_manager().pm.unregister(DELIVERY)
     return out
 
 
