@@ -608,7 +608,7 @@ def bench_concurrent(
                         )
                         not_handled[name] = not_handled.get(name, 0) + 1
                     leftover.clear()
-        queued_at_end = len(in_background.pending()) if in_background is not None else 0
+        queued_at_end = len(in_background.pending) if in_background is not None else 0
         listener_calls.close()  # the scheduler's shutdown: waits up to 5 s for queued calls
         api_engine.dispose()
         examples = api.pop("api_error_examples", [])
