@@ -557,7 +557,15 @@ def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[st
             "older than the heartbeat timeout (`--stale-heartbeats`: the series handles the events at once)."
             if getattr(args, "stale_heartbeats", False)
             else "fresh (the series' patch 17 holds a FAILED event of a try with a recent heartbeat)."
-        ),
+        )
+        + {
+            "race": " Order: race (the API thread starts on a batch when the scheduler does; the row locks decide).",
+            "api-first": " Order: api-first (the API's heartbeat and reschedule of a batch's TIs are committed "
+            "before the scheduler's first pass; its wait for them is not scheduler time): every event finds "
+            "its TI rescheduled.",
+            "scheduler-first": " Order: scheduler-first (the API acts on a batch after the scheduler's passes; "
+            "that wait is not scheduler time): every event finds its TI running and fails it.",
+        }[getattr(args, "order", "race")],
         "",
         concurrent_table(res),
         "",
@@ -642,6 +650,12 @@ def main() -> int:
         action="store_true",
         help="benchmark 3: the TIs' last heartbeat is older than the timeout (default: fresh)",
     )
+    p.add_argument(
+        "--order",
+        default="race",
+        choices=("race", "api-first", "scheduler-first"),
+        help="benchmark 3: when the API thread acts on a batch (default race: the row locks decide)",
+    )
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<backend>.md")
     p.add_argument(
         "--render", type=Path, metavar="JSON", help="only re-write the tables from a run's raw JSON"
@@ -652,6 +666,7 @@ def main() -> int:
         facts, res = data["facts"], data["results"]
         args.quick = facts.get("quick", False)
         args.stale_heartbeats = facts.get("stale_heartbeats", False)
+        args.order = facts.get("order", "race")
         names = facts.get("series") or series_names(Path(facts.get("root", HERE.parent)))
         text = report(args.backend, facts, res, args, names)
         dest = args.out or args.render.with_suffix(".md")
@@ -673,6 +688,7 @@ def main() -> int:
     facts["quick"] = args.quick
     facts["variants"] = args.variants
     facts["stale_heartbeats"] = args.stale_heartbeats
+    facts["order"] = args.order
     res: dict[str, dict] = {}
     checkouts = {"base": "0", "series": "all"}
     env = dict(os.environ)
@@ -701,6 +717,7 @@ def main() -> int:
                     cmd += ["--sizes", args.sizes]
                 if args.stale_heartbeats:
                     cmd.append("--stale-heartbeats")
+                cmd += ["--order", args.order]
                 cmd += [
                     "--slow-listener",
                     str(args.slow_listener),

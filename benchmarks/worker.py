@@ -443,7 +443,13 @@ def _held_keys(executor) -> set:
 
 
 def bench_concurrent(
-    duration: float, m: int, batch: int, latencies: list[float], *, stale_heartbeats: bool = False
+    duration: float,
+    m: int,
+    batch: int,
+    latencies: list[float],
+    *,
+    stale_heartbeats: bool = False,
+    order: str = "race",
 ) -> list[dict]:
     """
     Executor FAILED events for M RUNNING TIs (tasks with retries and on_failure/on_retry callbacks),
@@ -463,7 +469,16 @@ def bench_concurrent(
     ``runner.failure_listeners_in_background()`` where the tree has it (the series), so there the
     ``latency``-second listener runs off the scheduler's thread; listener calls still queued when the
     last round ends are counted (``listener_calls_queued_at_end``), then the block's exit waits for them.
+
+    ``order`` says when the API thread acts on a batch's TIs: ``race`` (as above: it starts when the
+    scheduler starts the batch, and the row locks decide), ``api-first`` (its heartbeat and
+    reschedule of every TI of the batch are committed before the scheduler's first pass: every event
+    finds its TI rescheduled) or ``scheduler-first`` (it acts after the batch's passes: every event
+    finds its TI RUNNING and fails it). The fixed orders give both trees the same work per event;
+    the time the scheduler waits for the API thread there is not counted as scheduler time.
     """
+    if order not in ("race", "api-first", "scheduler-first"):
+        raise ValueError(f"order: race, api-first or scheduler-first, not {order!r}")
     import contextlib
 
     from airflow.models.dagbag import DBDagBag
@@ -525,10 +540,17 @@ def bench_concurrent(
                     keys = [(ti.key, ti.id) for ti in tis]
                 batches = [keys[i : i + batch] for i in range(0, len(keys), batch)]
                 go = [threading.Event() for _ in batches]
+                api_done = [threading.Event() for _ in batches]
                 done = threading.Event()
 
                 def api_side(
-                    batches=batches, go=go, done=done, factory=api_factory, bag=dag_bag, api=api
+                    batches=batches,
+                    go=go,
+                    api_done=api_done,
+                    done=done,
+                    factory=api_factory,
+                    bag=dag_bag,
+                    api=api,
                 ) -> None:
                     for i, b in enumerate(batches):
                         if not go[i].wait(60) or done.is_set():
@@ -536,15 +558,27 @@ def bench_concurrent(
                         for _, ti_id in b:
                             _call_api(factory, bag, "heartbeat", ti_id, api)
                             _call_api(factory, bag, "reschedule", ti_id, api)
+                        api_done[i].set()
+
+                def wait_for_api(i: int) -> float:
+                    t = time.perf_counter()
+                    go[i].set()
+                    if not api_done[i].wait(120):
+                        raise RuntimeError(f"the API thread did not finish batch {i} within 120 s")
+                    return time.perf_counter() - t
 
                 th = threading.Thread(target=api_side, daemon=True)
                 th.start()
                 t_round = time.perf_counter()
+                api_wait = 0.0
                 for i, b in enumerate(batches):
                     for k, _ in b:
                         runner.executor.event_buffer[k] = (FAILED, None)
                     events += len(b)
-                    go[i].set()
+                    if order == "race":
+                        go[i].set()
+                    elif order == "api-first":
+                        api_wait += wait_for_api(i)
                     for _attempt in range(3):  # events skipped (locked) stay in the buffer: next loop
                         try:
                             with create_session() as session:
@@ -568,7 +602,9 @@ def bench_concurrent(
                         held = _held_keys(runner.executor)
                         leftover.extend((k, k in held) for k in left)
                     runner.executor.event_buffer.clear()
-                sched_time += time.perf_counter() - t_round
+                    if order == "scheduler-first":
+                        api_wait += wait_for_api(i)
+                sched_time += time.perf_counter() - t_round - api_wait
                 done.set()
                 for e in go:
                     e.set()
@@ -616,6 +652,7 @@ def bench_concurrent(
             {
                 "latency": latency,
                 "stale_heartbeats": stale_heartbeats,
+                "order": order,
                 "m": m,
                 "batch": batch,
                 "rounds": rounds,
@@ -644,7 +681,7 @@ def bench_concurrent(
         )
         r = out[-1]
         print(
-            f"  concurrent listener={latency}s: {rounds} rounds, {handled}/{events} events in "
+            f"  concurrent ({order}) listener={latency}s: {rounds} rounds, {handled}/{events} events in "
             f"{sched_time:.1f}s = {r['events_per_s']:.1f}/s, crashes={crashes} {crash_types}, api={api}, "
             f"outcomes={outcomes}, not handled within 3 passes={not_handled}",
             flush=True,
@@ -955,6 +992,7 @@ def main() -> int:
     p.add_argument("--sizes", help="purge sizes, e.g. 10,100,500 (default 10,100,500,1000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stale-heartbeats", action="store_true", help="concurrent: TIs' heartbeats timed out")
+    p.add_argument("--order", default="race", help="concurrent: race, api-first or scheduler-first")
     p.add_argument("--slow-listener", type=float, default=10.0, help="slowlistener: listener seconds")
     p.add_argument("--slow-failures", type=int, default=100, help="slowlistener: failures in one step")
     p.add_argument(
@@ -1007,11 +1045,11 @@ def main() -> int:
         try:
             if args.quick:
                 result["concurrent"] = bench_concurrent(
-                    3.0, 20, 5, [0.0, 0.02], stale_heartbeats=args.stale_heartbeats
+                    3.0, 20, 5, [0.0, 0.02], stale_heartbeats=args.stale_heartbeats, order=args.order
                 )
             else:
                 result["concurrent"] = bench_concurrent(
-                    20.0, 100, 10, [0.0, 0.02], stale_heartbeats=args.stale_heartbeats
+                    20.0, 100, 10, [0.0, 0.02], stale_heartbeats=args.stale_heartbeats, order=args.order
                 )
         except Exception:
             errors["concurrent"] = traceback.format_exc()
