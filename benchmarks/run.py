@@ -656,6 +656,11 @@ def main() -> int:
         choices=("race", "api-first", "scheduler-first"),
         help="benchmark 3: when the API thread acts on a batch (default race: the row locks decide)",
     )
+    p.add_argument(
+        "--concurrent-seconds",
+        type=float,
+        help="benchmark 3: scheduler seconds per run (default 20, quick 3)",
+    )
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<backend>.md")
     p.add_argument(
         "--render", type=Path, metavar="JSON", help="only re-write the tables from a run's raw JSON"
@@ -718,6 +723,8 @@ def main() -> int:
                 if args.stale_heartbeats:
                     cmd.append("--stale-heartbeats")
                 cmd += ["--order", args.order]
+                if args.concurrent_seconds:
+                    cmd += ["--concurrent-seconds", str(args.concurrent_seconds)]
                 cmd += [
                     "--slow-listener",
                     str(args.slow_listener),

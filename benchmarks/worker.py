@@ -993,6 +993,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stale-heartbeats", action="store_true", help="concurrent: TIs' heartbeats timed out")
     p.add_argument("--order", default="race", help="concurrent: race, api-first or scheduler-first")
+    p.add_argument(
+        "--concurrent-seconds", type=float, help="concurrent: scheduler seconds (default 20, quick 3)"
+    )
     p.add_argument("--slow-listener", type=float, default=10.0, help="slowlistener: listener seconds")
     p.add_argument("--slow-failures", type=int, default=100, help="slowlistener: failures in one step")
     p.add_argument(
@@ -1045,11 +1048,21 @@ def main() -> int:
         try:
             if args.quick:
                 result["concurrent"] = bench_concurrent(
-                    3.0, 20, 5, [0.0, 0.02], stale_heartbeats=args.stale_heartbeats, order=args.order
+                    args.concurrent_seconds or 3.0,
+                    20,
+                    5,
+                    [0.0, 0.02],
+                    stale_heartbeats=args.stale_heartbeats,
+                    order=args.order,
                 )
             else:
                 result["concurrent"] = bench_concurrent(
-                    20.0, 100, 10, [0.0, 0.02], stale_heartbeats=args.stale_heartbeats, order=args.order
+                    args.concurrent_seconds or 20.0,
+                    100,
+                    10,
+                    [0.0, 0.02],
+                    stale_heartbeats=args.stale_heartbeats,
+                    order=args.order,
                 )
         except Exception:
             errors["concurrent"] = traceback.format_exc()

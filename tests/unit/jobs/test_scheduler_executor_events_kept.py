@@ -395,6 +395,21 @@ def test_poison_event_is_given_up_visibly_after_a_bounded_number_of_passes(
 DEADLOCK = "deadlock"  # task_id whose UPDATE waits, through a trigger, for a row the test holds
 
 
+# PostgreSQL checks a lock wait for a deadlock once, ``deadlock_timeout`` after the wait began, and
+# the backend that finds the cycle aborts its own transaction. The scheduler must find it: its check
+# (3 s, set in the trigger) has to come after the test's UPDATE closed the cycle, and the test's own
+# check must never come first (30 s, set on the test's transaction). With the server's 1 s for both,
+# a test thread slowed by over 1 s between seeing the scheduler wait and its UPDATE made the test the
+# victim. Setting deadlock_timeout needs a superuser (the throwaway server's and breeze's user are).
+SCHEDULER_DEADLOCK_TIMEOUT = (
+    "IF current_setting('is_superuser') = 'on' THEN "
+    "PERFORM set_config('deadlock_timeout', '3s', true); END IF; "
+)
+TEST_DEADLOCK_TIMEOUT = (
+    "SELECT set_config('deadlock_timeout', '30s', true) WHERE current_setting('is_superuser') = 'on'"
+)
+
+
 @contextmanager
 def updates_of_wait_for_blocker(task_id: str):
     """
@@ -410,6 +425,9 @@ def updates_of_wait_for_blocker(task_id: str):
             conn.execute(
                 text(
                     "CREATE OR REPLACE FUNCTION test_wait_for_blocker() RETURNS trigger AS $$ BEGIN "
+                    # See deadlock_the_scheduler: the waiting side checks for a deadlock 3 s after it
+                    # starts waiting (server default 1 s), once, and aborts itself if it finds one.
+                    f"{SCHEDULER_DEADLOCK_TIMEOUT}"
                     "UPDATE test_blocker SET v = v + 1 WHERE id = 1; RETURN NEW; END $$ LANGUAGE plpgsql"
                 )
             )
@@ -497,6 +515,8 @@ def test_deadlock_that_ends_the_whole_transaction_puts_back_every_event_of_it(
             settings.Session.remove()
 
     with updates_of_wait_for_blocker(DEADLOCK):
+        if backend == "postgres":
+            other_session.execute(text(TEST_DEADLOCK_TIMEOUT))
         other_session.execute(
             text("INSERT INTO test_weight (id) VALUES " + ", ".join(f"({i})" for i in range(1, 501)))
         )
