@@ -3,7 +3,9 @@
 cProfile of benchmark 3's scheduler thread (the thread that runs ``_process_executor_events``; the
 API thread is not profiled) and its statement counts, for the tree airflow-core/ is checked out at.
 
-    python benchmarks/profile_concurrent.py <project root> SECONDS LISTENER_S fresh|stale OUT.pstats
+    python benchmarks/profile_concurrent.py <project root> SECONDS LISTENER_S fresh|stale OUT.pstats [ORDER]
+
+ORDER: race (default), api-first or scheduler-first (see ``worker.bench_concurrent``).
 
 Resets the database like worker.py (give it a database of its own).
 """
@@ -18,10 +20,11 @@ sys.path.insert(0, sys.argv[1] + "/benchmarks")
 import worker as W  # noqa: E402  (sets up the environment before airflow is imported)
 
 duration, latency, stale, dump = float(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "stale", sys.argv[5]
+order = sys.argv[6] if len(sys.argv) > 6 else "race"
 W.H.reset_schema()
 prof = cProfile.Profile()
 prof.enable()
-(r,) = W.bench_concurrent(duration, 100, 10, [latency], stale_heartbeats=stale)
+(r,) = W.bench_concurrent(duration, 100, 10, [latency], stale_heartbeats=stale, order=order)
 prof.disable()
 prof.dump_stats(dump)
 keys = (
