@@ -835,6 +835,15 @@ def _delivery_figures(n: int) -> dict:
 
 
 def bench_slow_listener(latency: float, n: int, hang: float = 0.0, hang_timeout: float = 2.0) -> list[dict]:
+    """Benchmark 5 (``_bench_slow_listener``) with ``DELIVERY`` registered while it runs, also if it raises."""
+    get_listener_manager().add_listener(DELIVERY)
+    try:
+        return _bench_slow_listener(latency, n, hang, hang_timeout)
+    finally:
+        get_listener_manager().pm.unregister(DELIVERY)
+
+
+def _bench_slow_listener(latency: float, n: int, hang: float, hang_timeout: float) -> list[dict]:
     """
     Issue 17, target 4: the scheduler loop with a slow ``on_task_instance_failed`` listener. One DAG
     run of ``n`` tasks (``retries=1``) RUNNING; ``n`` FAILED executor events are handled in the first
@@ -860,7 +869,6 @@ def bench_slow_listener(latency: float, n: int, hang: float = 0.0, hang_timeout:
     with settings.NonScopedSession() as s:
         dag = H.write_dag("bench_slow_listener", n, retries=1, session=s)
     background = getattr(runner, "failure_listeners_in_background", None)
-    get_listener_manager().add_listener(DELIVERY)
     capture = LogCapture()
     logging.getLogger("airflow.listeners.background").addHandler(capture)
     logging.getLogger("airflow.listeners.background").setLevel(logging.INFO)
@@ -964,7 +972,6 @@ def bench_slow_listener(latency: float, n: int, hang: float = 0.0, hang_timeout:
         )
     logging.getLogger("airflow.listeners.background").removeHandler(capture)
     os.environ.pop("AIRFLOW__SCHEDULER__TASK_INSTANCE_FAILED_LISTENER_TIMEOUT", None)
-    get_listener_manager().pm.unregister(DELIVERY)
     return out
 
 
