@@ -322,7 +322,14 @@ def concurrent_table(res: dict[str, dict]) -> str:
                     (
                         "n/a"
                         if "listeners_in_background" not in r
-                        else f"{r['listener_calls']}, "
+                        else f"{r['listener_calls']}"
+                        + (
+                            f" ({r['listener_calls'] - r['listener_calls_by_end']} of them in the shutdown wait)"
+                            if r.get("listener_calls_by_end") is not None
+                            and r["listener_calls"] != r["listener_calls_by_end"]
+                            else ""
+                        )
+                        + ", "
                         + (
                             f"background thread ({r['listener_calls_queued_at_end']} queued at the end)"
                             if r["listeners_in_background"]
@@ -549,10 +556,17 @@ def report(backend: str, facts: dict, res: dict[str, dict], args, names: list[st
         "a second thread/connection calls the real execution-API route functions `ti_heartbeat` then "
         "`ti_update_state` (reschedule) with SessionDep semantics. A scheduler crash is an exception leaving "
         "`_process_executor_events` (a real scheduler exits); the harness rolls back and carries on. "
-        "Lock waits: row-locking SELECTs slower than 5 ms. The scheduler side runs as "
-        "`SchedulerJobRunner._execute` runs its loop: inside `runner.failure_listeners_in_background()` where "
-        "the tree has it (the series: the listener runs off the scheduler's thread; the base calls it inline). "
-        "The TIs' last heartbeat: "
+        "Lock waits: row-locking SELECTs slower than 5 ms. "
+        + (
+            "The scheduler side runs as `SchedulerJobRunner._execute` runs its loop: inside "
+            "`runner.failure_listeners_in_background()` where the tree has it (the series: the listener runs "
+            "off the scheduler's thread; the base calls it inline). "
+            if any("listeners_in_background" in r for v in res.values() for r in v.get("concurrent", []))
+            else "The scheduler side ran outside `runner.failure_listeners_in_background()` (a run from before "
+            "project commit 2457456: the series called the listener on the scheduler's thread too, and "
+            "benchmark 5's database-reading listener was registered in this benchmark). "
+        )
+        + "The TIs' last heartbeat: "
         + (
             "older than the heartbeat timeout (`--stale-heartbeats`: the series handles the events at once)."
             if getattr(args, "stale_heartbeats", False)

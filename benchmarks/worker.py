@@ -645,6 +645,7 @@ def bench_concurrent(
                         not_handled[name] = not_handled.get(name, 0) + 1
                     leftover.clear()
         queued_at_end = len(in_background.pending) if in_background is not None else 0
+        calls_by_end = len(LISTENER.calls)  # the queued ones above that run in the shutdown wait: not these
         listener_calls.close()  # the scheduler's shutdown: waits up to 5 s for queued calls
         api_engine.dispose()
         examples = api.pop("api_error_examples", [])
@@ -677,6 +678,7 @@ def bench_concurrent(
                 "listeners_in_background": in_background is not None,
                 "listener_calls": len(LISTENER.calls),
                 "listener_calls_queued_at_end": queued_at_end,
+                "listener_calls_by_end": calls_by_end,
             }
         )
         r = out[-1]
