@@ -475,8 +475,9 @@ def bench_concurrent(
     reschedule of every TI of the batch are committed before the scheduler's first pass: every event
     finds its TI rescheduled) or ``scheduler-first`` (it acts after the batch's passes: every event
     finds its TI RUNNING and fails it; with fresh heartbeats the series' patch 17 holds the events
-    instead, so use ``stale_heartbeats`` to compare failure handling). The fixed orders give both trees the same work per event;
-    the time the scheduler waits for the API thread there is not counted as scheduler time.
+    instead, so use ``stale_heartbeats`` to compare failure handling). The fixed orders give both
+    trees the same work per event; the time the scheduler waits for the API thread there is not
+    counted as scheduler time.
     """
     if order not in ("race", "api-first", "scheduler-first"):
         raise ValueError(f"order: race, api-first or scheduler-first, not {order!r}")

@@ -425,10 +425,9 @@ def updates_of_wait_for_blocker(task_id: str):
             conn.execute(
                 text(
                     "CREATE OR REPLACE FUNCTION test_wait_for_blocker() RETURNS trigger AS $$ BEGIN "
-                    # See deadlock_the_scheduler: the waiting side checks for a deadlock 3 s after it
-                    # starts waiting (server default 1 s), once, and aborts itself if it finds one.
-                    f"{SCHEDULER_DEADLOCK_TIMEOUT}"
-                    "UPDATE test_blocker SET v = v + 1 WHERE id = 1; RETURN NEW; END $$ LANGUAGE plpgsql"
+                    # The scheduler's deadlock check comes 3 s into its wait (see SCHEDULER_DEADLOCK_TIMEOUT).
+                    + SCHEDULER_DEADLOCK_TIMEOUT
+                    + "UPDATE test_blocker SET v = v + 1 WHERE id = 1; RETURN NEW; END $$ LANGUAGE plpgsql"
                 )
             )
             conn.execute(
