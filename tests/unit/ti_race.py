@@ -163,6 +163,22 @@ def handle_executor_events(runner: Any, session: Any) -> Callable[[], None]:
     return handle
 
 
+def executor_events_step(runner: Any) -> int:
+    """
+    The scheduler loop's executor-event step, in a transaction of its own that it commits.
+
+    Where the scheduler owns that transaction (``_process_events_of_executors``: listener calls and
+    callbacks committed on their own come after its commit), that step; on an older tree, what the loop
+    did there: ``_process_executor_events`` in ``create_session()``.
+    """
+    if hasattr(runner, "_process_events_of_executors"):
+        return runner._process_events_of_executors()
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        return runner._process_executor_events(executor=runner.executor, session=session)
+
+
 class Worker(threading.Thread):
     """Run ``fn`` in a thread, keep its result or exception; ``join_or_fail`` bounds the wait."""
 

@@ -29,7 +29,7 @@ from airflow.utils.state import TaskInstanceState
 
 from tests.unit.jobs.test_scheduler_failure_declines import callbacks_of, rows, two_failed_events
 from tests.unit.jobs.test_scheduler_survives_failure_handling import ForeignKeyViolationOnce
-from tests.unit.ti_race import make_running_tis
+from tests.unit.ti_race import executor_events_step, make_running_tis
 
 P_LISTENERS = "Call-on_task_instance_failed-listeners-after-the-failure-is-committed.patch"
 P_SURVIVE = "Keep-the-scheduler-running-when-one-executor-event-fails-in-the-DB.patch"
@@ -56,24 +56,19 @@ class SessionOpeningListener:
 @pytest.mark.proves(P_LISTENERS)
 def test_failure_listener_gets_its_own_session(dag_maker, session, scheduler_job_runner, listener_manager):
     """
-    Two FAILED executor events in one batch; the listener opens a session with create_session()
-    for each. It must not get the scheduler's session (the thread's scoped session the batch runs
-    in), and closing its session must leave the batch's session open with its objects.
-    Before: create_session() returned the batch's own session, which the listener committed and
-    closed in the middle of the batch.
+    Two FAILED executor events in one step of the scheduler loop; the listener opens a session with
+    create_session() for each call and reads the task instance's state there. Both calls run once the
+    step's failures are committed: each sees its try up_for_retry, and both failures are committed.
+    Before: the listener ran inside the step's transaction, and create_session() returned the step's
+    own (the thread's scoped) session, which the listener committed and closed in the middle of the batch.
     """
     runner = scheduler_job_runner
     listener = SessionOpeningListener()
     listener_manager(listener)
     tis = two_failed_events(dag_maker, session, runner, "listener_session")
-    held = session.scalars(select(DagRun).where(DagRun.dag_id.in_(list(tis)))).all()
-
-    runner._process_executor_events(executor=runner.executor, session=session)
-    assert all(dr in session for dr in held), "the batch's session was closed by a listener"
     session.commit()
-
+    executor_events_step(runner)
     assert len(listener.sessions) == 2
-    assert id(session) not in listener.sessions, "the listener got the scheduler's own session"
     assert listener.seen_states == [UP_FOR_RETRY, UP_FOR_RETRY]
     for dag_id in tis:
         assert [(r.state, r.try_number) for r in rows(dag_id)] == [(UP_FOR_RETRY, 1)]
@@ -125,15 +120,13 @@ def test_legacy_callback_path_sends_one_request_when_the_event_is_handled_again(
 
     injected = ForeignKeyViolationOnce([ti.id])
     try:
-        runner._process_executor_events(executor=executor, session=session)
-        session.commit()
+        executor_events_step(runner)
     finally:
         injected.remove()
     assert injected.fired
     assert list(executor.event_buffer), "the event was not put back for the next pass"
 
-    runner._process_executor_events(executor=executor, session=session)
-    session.commit()
+    executor_events_step(runner)
     assert [(r.state, r.try_number) for r in rows(dag_id)] == [(UP_FOR_RETRY, 1)]
     requests = [r for r in callbacks_of(dag_id) if isinstance(r, TaskCallbackRequest)]
     assert len(requests) == 1, requests

@@ -159,6 +159,7 @@ def handle_failure_of(key, task):
         ).one()
         ti.task = task
         ti.handle_failure("task failed (test)", session=session)
+        session.commit()  # the caller owns the transaction
 
     return fn
 
@@ -186,6 +187,7 @@ def test_reschedule_committed_while_failure_listener_runs(dag_maker, session, li
     error = None
     try:
         ti.handle_failure("task failed (test)", session=session)
+        session.commit()  # the caller owns the transaction
     except Exception as e:  # the base raises the FK IntegrityError here
         error = e
         session.rollback()
@@ -415,11 +417,15 @@ def test_executor_event_while_failure_listener_runs(
     listener, calls = reschedule_during_listener(api, old_id)
     listener_manager(listener)
     error = None
+    session.commit()
     try:
-        runner._process_executor_events(executor=runner.executor, session=session)
+        if hasattr(runner, "_process_events_of_executors"):  # the scheduler loop's own transaction
+            runner._process_events_of_executors()
+        else:
+            with create_session() as s:
+                runner._process_executor_events(executor=runner.executor, session=s)
     except Exception as e:  # the base raises the FK IntegrityError here
         error = e
-        session.rollback()
     status = calls[0].join_or_fail() if calls else None
     assert error is None, f"_process_executor_events raised {error!r}"
     assert assert_consistent(read_rows(*_key(ti)), old_id, status) == "failure won"
@@ -468,9 +474,10 @@ def _row_lock_free(key) -> bool:
 @pytest.mark.proves(P3)
 def test_failure_listener_runs_after_commit(dag_maker, session, listener_manager):
     """
-    While an ``on_task_instance_failed`` listener blocks, the failure is committed: a second
-    connection sees the new id and up_for_retry, and can lock the row at once (NOWAIT; on SQLite:
-    take the write lock); the failing session has no open transaction.
+    A caller that owns the transaction passes a ``callback_sink``: handle_failure queues the
+    ``on_task_instance_failed`` call there and makes none. Made after the caller's commit, the call sees
+    the failure committed (a second connection reads the new id and up_for_retry and can lock the row at
+    once: NOWAIT; on SQLite, take the write lock), and the caller's session has no open transaction.
     """
     (ti,) = make_running_tis(dag_maker, session, dag_id="listener_after_commit")
     old_id = ti.id
@@ -484,7 +491,13 @@ def test_failure_listener_runs_after_commit(dag_maker, session, listener_manager
 
     listener = CallListener(look_from_outside)
     listener_manager(listener)
-    ti.handle_failure("task failed (test)", session=session)
+    calls: list = []
+    assert ti.handle_failure("task failed (test)", session=session, callback_sink=calls)
+    assert listener.calls == [], "listener called inside the caller's transaction"
+    session.commit()
+    session.close()
+    for call in calls:
+        call()
 
     assert len(listener.calls) == 1
     rows = seen["rows"]
@@ -494,98 +507,32 @@ def test_failure_listener_runs_after_commit(dag_maker, session, listener_manager
 
 
 @pytest.mark.proves(P3)
-@pytest.mark.parametrize("outcome", ["commit", "rollback"])
-def test_failure_listener_follows_callers_transaction(dag_maker, session, listener_manager, outcome):
+def test_failure_listener_loads_through_a_session_of_its_own(dag_maker, session, listener_manager):
     """
-    A caller of ``fetch_handle_failure_context`` that owns the transaction: the listeners run after
-    its commit, not before; after a rollback (the failure was never recorded) they do not run.
+    Called after the caller's session was closed, the listener still reads ``task_instance.dag_run``
+    (lazy-loaded through a session of its own, not the caller's or the thread's scoped one), and what it
+    changes on the task instance is not written.
     """
-    (ti,) = make_running_tis(dag_maker, session, dag_id=f"listener_{outcome}")
-    listener = CallListener()
-    listener_manager(listener)
+    (ti,) = make_running_tis(dag_maker, session, dag_id="listener_own_session")
+    key = _key(ti)
+    seen: dict = {}
 
-    TaskInstance.fetch_handle_failure_context(ti, "task failed (test)", session=session)
-    assert listener.calls == [], "listener called before the caller's transaction ended"
-    getattr(session, outcome)()
-    assert len(listener.calls) == (1 if outcome == "commit" else 0)
-    # A later, unrelated transaction does not trigger them either.
-    session.execute(text("SELECT 1"))
+    class Reader:
+        @hookimpl
+        def on_task_instance_failed(self, previous_state, task_instance, error):
+            seen["run_id"] = task_instance.dag_run.run_id
+            task_instance.state = TaskInstanceState.SUCCESS  # must not be written
+
+    listener_manager(Reader())
+    calls: list = []
+    ti.handle_failure("task failed (test)", session=session, callback_sink=calls)
     session.commit()
-    assert len(listener.calls) == (1 if outcome == "commit" else 0)
-
-
-@pytest.mark.backend(
-    "postgres",
-    "mysql",
-    reason="pysqlite: a SAVEPOINT opened before the transaction's first write is released as a commit, "
-    "so the outer rollback cannot undo the failure (the scheduler takes no savepoint on SQLite)",
-)
-@pytest.mark.proves(P3)
-@pytest.mark.parametrize("outcome", ["commit", "rollback"])
-def test_failure_listener_in_released_savepoint_follows_outer_transaction(
-    dag_maker, session, listener_manager, outcome
-):
-    """
-    Failure handled inside a savepoint (as the scheduler does per executor event) that is released:
-    the failure is durable only when the outer transaction commits, so the listeners run after
-    that commit, and not at all if the outer transaction rolls back. SQLAlchemy fires
-    ``after_commit`` on a savepoint release too; that alone must not dispatch them.
-    """
-    (ti,) = make_running_tis(dag_maker, session, dag_id=f"listener_savepoint_{outcome}")
-    key = _key(ti)
-    listener = CallListener()
-    listener_manager(listener)
-
-    savepoint = session.begin_nested()
-    TaskInstance.fetch_handle_failure_context(ti, "task failed (test)", session=session)
-    savepoint.commit()
-    assert listener.calls == [], "listener called when the savepoint was released"
-    getattr(session, outcome)()
-    committed = read_rows(*key).state
-    assert committed == (TaskInstanceState.UP_FOR_RETRY if outcome == "commit" else TaskInstanceState.RUNNING)
-    assert len(listener.calls) == (1 if outcome == "commit" else 0)
-
-
-@pytest.mark.proves(P3)
-def test_failure_listener_dropped_when_transaction_is_closed(dag_maker, session, listener_manager):
-    """
-    ``close()`` ends the transaction with a database rollback but fires no rollback event: the
-    failure was never recorded, so the thread's (scoped, long-lived) session must not announce it
-    at its next, unrelated commit. (Found by review; reached from ``create_session()`` when a
-    ``KeyboardInterrupt``/``SystemExit`` ends the block, which then only closes the session.)
-    """
-    (ti,) = make_running_tis(dag_maker, session, dag_id="listener_closed")
-    key = _key(ti)
-    listener = CallListener()
-    listener_manager(listener)
-
-    TaskInstance.fetch_handle_failure_context(ti, "task failed (test)", session=session)
+    session.expire_all()  # dag_run must be loaded again, after the caller's session is closed
     session.close()
-    assert read_rows(*key).state == TaskInstanceState.RUNNING
-
-    session.execute(text("SELECT 1"))
-    session.commit()
-    assert listener.calls == [], "listener announced a failure that was never committed"
-
-
-@pytest.mark.proves(P3)
-def test_failure_listener_dropped_when_create_session_is_interrupted(dag_maker, session, listener_manager):
-    """``create_session()`` interrupted after the failure was queued: the next block announces nothing."""
-    (ti,) = make_running_tis(dag_maker, session, dag_id="listener_interrupted")
-    key = _key(ti)
-    listener = CallListener()
-    listener_manager(listener)
-
-    with pytest.raises(KeyboardInterrupt):
-        with create_session() as s:
-            assert s is session  # the thread's scoped session
-            TaskInstance.fetch_handle_failure_context(ti, "task failed (test)", session=s)
-            raise KeyboardInterrupt
-    assert read_rows(*key).state == TaskInstanceState.RUNNING
-
-    with create_session() as s:
-        s.execute(text("SELECT 1"))
-    assert listener.calls == [], "listener announced a failure that was never committed"
+    for call in calls:
+        call()
+    assert seen["run_id"] == key[2]
+    assert read_rows(*key).state == TaskInstanceState.UP_FOR_RETRY
 
 
 @pytest.mark.guard
@@ -595,6 +542,7 @@ def test_failure_listener_arguments(dag_maker, session, listener_manager):
     listener = CallListener()
     listener_manager(listener)
     ti.handle_failure("task failed (test)", session=session)
+    session.commit()
 
     assert len(listener.calls) == 1
     call = listener.calls[0]
@@ -615,6 +563,7 @@ def test_raising_failure_listener_is_logged(dag_maker, session, listener_manager
     listener_manager(CallListener(boom))
     with caplog.at_level(logging.ERROR, logger="airflow.models.taskinstance"):
         ti.handle_failure("task failed (test)", session=session)
+        session.commit()
 
     records = [r for r in caplog.records if r.getMessage() == "error calling listener"]
     assert records and records[0].exc_info and "listener exploded" in str(records[0].exc_info[1])
