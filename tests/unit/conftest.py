@@ -131,6 +131,10 @@ _MODULE_OF_PATCH = {
     "jobs/test_scheduler_failure_listeners_background.py": (
         "Call-on_task_instance_failed-listeners-in-a-background-thread.patch"
     ),
+    "models/test_taskinstance_sqlite_write_lock.py": "Read-a-failing-task-instance-under-SQLite-s-write-lock.patch",
+    "models/test_taskinstance_sqlite_write_lock_busy.py": "Read-a-failing-task-instance-under-SQLite-s-write-lock.patch",
+    "models/test_taskinstance_sqlite_write_lock_order.py": "Read-a-failing-task-instance-under-SQLite-s-write-lock.patch",
+    "models/test_taskinstance_sqlite_write_lock_skip.py": "Read-a-failing-task-instance-under-SQLite-s-write-lock.patch",
     "api_fastapi/execution_api/versions/head/test_task_instances_heartbeat_lock_order.py": (
         "Serialise-TI-failure-handling-with-the-execution-API-via-the-row-lock.patch"
     ),

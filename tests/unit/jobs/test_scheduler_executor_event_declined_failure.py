@@ -33,6 +33,8 @@ from airflow.callbacks.callback_requests import EmailRequest, TaskCallbackReques
 from airflow.models.db_callback_request import DbCallbackRequest
 from airflow.utils.state import TaskInstanceState
 
+from tests.unit import conftest
+from tests.unit.jobs.test_scheduler_failure_declines import AfterStatement
 from tests.unit.ti_race import ExecutionApi, Worker, make_running_tis, read_rows
 
 pytestmark = pytest.mark.db_test
@@ -73,21 +75,32 @@ class WorkerFailsOtherTiOnFirstCommit:
         self.failed_first: str | None = None
         self.api_status: int | None = None
         self.other: str | None = None
-        event.listen(session, "after_commit", self._after_commit)
+        if conftest.V3:
+            # Series v3 commits nothing before the batch ends: the worker reports right after the batch's
+            # read, which locks no row where with_row_locks takes none (SQLite, MariaDB).
+            if conftest.BACKEND == "postgres":
+                pytest.skip("series v3: the batch's locked read holds its rows until the batch commits")
+            self.hook = AfterStatement(r"^\s*SELECT\b.*\bFROM task_instance\b", lambda: self._after_commit(session))
+        else:
+            self.hook = None
+            event.listen(session, "after_commit", self._after_commit)
 
     def _after_commit(self, session):
         # SQLAlchemy also fires after_commit when a savepoint is released: only a real commit counts.
         if self.failed_first is not None or session.get_nested_transaction() is not None:
             return
         running = [t for t, key in self.keys.items() if read_rows(*key).state == TaskInstanceState.RUNNING]
-        (self.other,) = running
+        self.other = sorted(running)[-1]  # series v3: both still running (after the batch's read)
         (self.failed_first,) = [t for t in self.keys if t != self.other]
         worker = Worker(lambda: api_fail(self.api, self.ids_by_task[self.other]), name="worker-api")
         worker.start()
         self.api_status = worker.join_or_fail()
 
     def remove(self):
-        event.remove(self.session, "after_commit", self._after_commit)
+        if self.hook is not None:
+            self.hook.remove()
+        else:
+            event.remove(self.session, "after_commit", self._after_commit)
 
 
 @pytest.mark.proves(PATCH)

@@ -23,6 +23,7 @@ from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance
 from airflow.utils.state import TaskInstanceState
 
+from tests.unit import conftest
 from tests.unit.conftest import (
     BACKEND,
     HAS_CALLBACK_EVENTS,
@@ -30,7 +31,14 @@ from tests.unit.conftest import (
     callback_key_uuid,
     metrics_of,
 )
-from tests.unit.ti_race import Worker, lock_waiters, make_running_tis, read_rows, wait_until
+from tests.unit.ti_race import (
+    Worker,
+    executor_events_step,
+    lock_waiters,
+    make_running_tis,
+    read_rows,
+    wait_until,
+)
 
 if HAS_CALLBACK_EVENTS:
     from airflow.models.callback import Callback, CallbackFetchMethod, CallbackKey, ExecutorCallback
@@ -506,8 +514,11 @@ def test_deadlock_that_ends_the_whole_transaction_puts_back_every_event_of_it(
     session.close()
 
     def one_pass():
-        s = settings.Session()
         try:
+            if conftest.V3:  # the scheduler loop's own transaction puts back what a failed one took
+                executor_events_step(runner)
+                return
+            s = settings.Session()
             runner._process_executor_events(executor=executor, session=s)
             s.commit()
         finally:
@@ -568,7 +579,9 @@ def second_executor(runner):
 
 
 @pytest.mark.proves(P_KEEP)
-@pytest.mark.parametrize("killed_commit", [1, 2, 4])
+# Series v3 commits the loop's executor events once: its 1st COMMIT is the batch's own (no failure handling
+# commits mid-batch); the v2 queues commit each failure handling, then the batch.
+@pytest.mark.parametrize("killed_commit", [1] if conftest.V3 else [1, 2, 4])
 def test_accounting_over_one_batch_with_injected_faults(
     dag_maker, session, other_session, scheduler_job_runner, backend, killed_commit
 ):
@@ -667,6 +680,10 @@ def test_accounting_over_one_batch_with_injected_faults(
     assert done == set(events) - buffered
 
 
+@pytest.mark.skipif(
+    conftest.V3 and conftest.BACKEND == "sqlite",
+    reason="series v3 puts back the events of a rolled-back batch in the scheduler loop's own transaction (_process_events_of_executors), not in _process_executor_events",
+)
 @pytest.mark.proves(P_KEEP)
 def test_sqlite_rollback_of_the_batch_puts_back_the_events_taken_in_it(
     dag_maker, session, scheduler_job_runner, backend
@@ -818,6 +835,12 @@ def test_given_up_event_stays_dropped_when_its_transaction_rolls_back(
 
 @pytest.mark.proves(P_KEEP)
 @pytest.mark.backend("postgres", "mysql")
+@pytest.mark.skipif(
+    conftest.V3,
+    reason="series v3 commits nothing before the batch ends, so no other transaction can lock a batch row "
+    "mid-batch on PostgreSQL / MySQL 8 (rows held before the batch's read: "
+    "test_events_of_rows_skipped_by_skip_locked_are_kept); with_row_locks takes no lock on MariaDB / SQLite",
+)
 @pytest.mark.skipif(
     airflow.__version__.startswith("3.1."),
     reason=f"the {airflow.__version__} queue keeps the earlier shape of this patch: its failure handling waits "

