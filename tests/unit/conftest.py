@@ -105,8 +105,6 @@ def _in_other_queue(patch: str) -> bool:
     return any(patch in (read_series(f) or ()) for f in (PROJECT_ROOT / "patches").glob("*/series"))
 
 
-
-
 # Test modules about one patch of the 3.3.2 queue (its regression tests and the guards written with
 # it), added after the older bases' queues were made: not collected on a base whose queue does not
 # carry that patch (they import or rely on what only it brings). README: "Bases".

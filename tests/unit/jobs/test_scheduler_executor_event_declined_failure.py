@@ -80,7 +80,9 @@ class WorkerFailsOtherTiOnFirstCommit:
             # read, which locks no row where with_row_locks takes none (SQLite, MariaDB).
             if conftest.BACKEND == "postgres":
                 pytest.skip("series v3: the batch's locked read holds its rows until the batch commits")
-            self.hook = AfterStatement(r"^\s*SELECT\b.*\bFROM task_instance\b", lambda: self._after_commit(session))
+            self.hook = AfterStatement(
+                r"^\s*SELECT\b.*\bFROM task_instance\b", lambda: self._after_commit(session)
+            )
         else:
             self.hook = None
             event.listen(session, "after_commit", self._after_commit)

@@ -136,7 +136,6 @@ class OnFirstCommit:
         event.remove(self.session, "after_commit", self._after_commit)
 
 
-
 def mid_batch(session, action):
     """
     Run ``action`` (another connection's write) once, in the middle of the scheduler's executor-event batch.

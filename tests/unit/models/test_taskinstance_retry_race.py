@@ -33,7 +33,7 @@ import logging
 import sqlite3
 
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import select
 
 from airflow import settings
 from airflow.listeners import hookimpl
@@ -109,7 +109,6 @@ def pauses():
     yield make
     for pause in made:
         pause.remove()
-
 
 
 def skip_where_v3_takes_no_row_lock(session) -> None:
@@ -279,7 +278,10 @@ def test_failure_handling_takes_row_lock_first(dag_maker, session, listener_mana
     assert assert_consistent(read_rows(*_key(ti)), old_id, status) == "failure won"
 
 
-@pytest.mark.skipif(conftest.V3, reason="series v3 has no SQLite write-lock patch: on SQLite the window between failure handling's re-read and its write stays open (README, known limitations)")
+@pytest.mark.skipif(
+    conftest.V3,
+    reason="series v3 has no SQLite write-lock patch: on SQLite the window between failure handling's re-read and its write stays open (README, known limitations)",
+)
 @pytest.mark.proves(P3)
 @pytest.mark.backend("sqlite")
 def test_sqlite_reschedule_while_failure_listener_runs(dag_maker, session, listener_manager, api):
