@@ -33,7 +33,7 @@ import logging
 import sqlite3
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from airflow import settings
 from airflow.listeners import hookimpl
@@ -55,6 +55,7 @@ from tests.unit.ti_race import (
 P1 = "Delete-task-reschedules-of-a-retried-TI-right-before-its-id-changes.patch"
 P2 = "Serialise-TI-failure-handling-with-the-execution-API-via-the-row-lock.patch"
 P3 = "Call-on_task_instance_failed-listeners-after-the-failure-is-committed.patch"
+P3_V3 = "Fail-a-task-instance-in-the-caller-s-transaction.patch"  # series v3: the caller owns the transaction
 
 pytestmark = pytest.mark.db_test
 
@@ -491,7 +492,7 @@ def _row_lock_free(key) -> bool:
         engine.dispose()
 
 
-@pytest.mark.proves(P3)
+@pytest.mark.proves(P3_V3)
 def test_failure_listener_runs_after_commit(dag_maker, session, listener_manager):
     """
     A caller that owns the transaction passes a ``callback_sink``: handle_failure queues the
@@ -526,7 +527,7 @@ def test_failure_listener_runs_after_commit(dag_maker, session, listener_manager
     assert seen["in_transaction"] is False
 
 
-@pytest.mark.proves(P3)
+@pytest.mark.proves(P3_V3)
 def test_failure_listener_loads_through_a_session_of_its_own(dag_maker, session, listener_manager):
     """
     Called after the caller's session was closed, the listener still reads ``task_instance.dag_run``
@@ -553,6 +554,153 @@ def test_failure_listener_loads_through_a_session_of_its_own(dag_maker, session,
         call()
     assert seen["run_id"] == key[2]
     assert read_rows(*key).state == TaskInstanceState.UP_FOR_RETRY
+
+
+@pytest.mark.skipif(
+    conftest.V3,
+    reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
+)
+@pytest.mark.proves(P3)
+def test_v2_failure_listener_runs_after_commit(dag_maker, session, listener_manager):
+    """
+    While an ``on_task_instance_failed`` listener blocks, the failure is committed: a second
+    connection sees the new id and up_for_retry, and can lock the row at once (NOWAIT; on SQLite:
+    take the write lock); the failing session has no open transaction.
+    """
+    (ti,) = make_running_tis(dag_maker, session, dag_id="listener_after_commit")
+    old_id = ti.id
+    key = _key(ti)
+    seen: dict = {}
+
+    def look_from_outside():
+        seen["rows"] = read_rows(*key)
+        seen["lock_free"] = _row_lock_free(key)
+        seen["in_transaction"] = session.in_transaction()
+
+    listener = CallListener(look_from_outside)
+    listener_manager(listener)
+    ti.handle_failure("task failed (test)", session=session)
+
+    assert len(listener.calls) == 1
+    rows = seen["rows"]
+    assert (rows.state, rows.ti_id != old_id) == (TaskInstanceState.UP_FOR_RETRY, True), rows
+    assert seen["lock_free"], "the TI row was still locked while the listener ran"
+    assert seen["in_transaction"] is False
+
+
+@pytest.mark.skipif(
+    conftest.V3,
+    reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
+)
+@pytest.mark.proves(P3)
+@pytest.mark.parametrize("outcome", ["commit", "rollback"])
+def test_failure_listener_follows_callers_transaction(dag_maker, session, listener_manager, outcome):
+    """
+    A caller of ``fetch_handle_failure_context`` that owns the transaction: the listeners run after
+    its commit, not before; after a rollback (the failure was never recorded) they do not run.
+    """
+    (ti,) = make_running_tis(dag_maker, session, dag_id=f"listener_{outcome}")
+    listener = CallListener()
+    listener_manager(listener)
+
+    TaskInstance.fetch_handle_failure_context(ti, "task failed (test)", session=session)
+    assert listener.calls == [], "listener called before the caller's transaction ended"
+    getattr(session, outcome)()
+    assert len(listener.calls) == (1 if outcome == "commit" else 0)
+    # A later, unrelated transaction does not trigger them either.
+    session.execute(text("SELECT 1"))
+    session.commit()
+    assert len(listener.calls) == (1 if outcome == "commit" else 0)
+
+
+@pytest.mark.skipif(
+    conftest.V3,
+    reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
+)
+@pytest.mark.backend(
+    "postgres",
+    "mysql",
+    reason="pysqlite: a SAVEPOINT opened before the transaction's first write is released as a commit, "
+    "so the outer rollback cannot undo the failure (the scheduler takes no savepoint on SQLite)",
+)
+@pytest.mark.skipif(
+    conftest.V3,
+    reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
+)
+@pytest.mark.proves(P3)
+@pytest.mark.parametrize("outcome", ["commit", "rollback"])
+def test_failure_listener_in_released_savepoint_follows_outer_transaction(
+    dag_maker, session, listener_manager, outcome
+):
+    """
+    Failure handled inside a savepoint (as the scheduler does per executor event) that is released:
+    the failure is durable only when the outer transaction commits, so the listeners run after
+    that commit, and not at all if the outer transaction rolls back. SQLAlchemy fires
+    ``after_commit`` on a savepoint release too; that alone must not dispatch them.
+    """
+    (ti,) = make_running_tis(dag_maker, session, dag_id=f"listener_savepoint_{outcome}")
+    key = _key(ti)
+    listener = CallListener()
+    listener_manager(listener)
+
+    savepoint = session.begin_nested()
+    TaskInstance.fetch_handle_failure_context(ti, "task failed (test)", session=session)
+    savepoint.commit()
+    assert listener.calls == [], "listener called when the savepoint was released"
+    getattr(session, outcome)()
+    committed = read_rows(*key).state
+    assert committed == (TaskInstanceState.UP_FOR_RETRY if outcome == "commit" else TaskInstanceState.RUNNING)
+    assert len(listener.calls) == (1 if outcome == "commit" else 0)
+
+
+@pytest.mark.skipif(
+    conftest.V3,
+    reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
+)
+@pytest.mark.proves(P3)
+def test_failure_listener_dropped_when_transaction_is_closed(dag_maker, session, listener_manager):
+    """
+    ``close()`` ends the transaction with a database rollback but fires no rollback event: the
+    failure was never recorded, so the thread's (scoped, long-lived) session must not announce it
+    at its next, unrelated commit. (Found by review; reached from ``create_session()`` when a
+    ``KeyboardInterrupt``/``SystemExit`` ends the block, which then only closes the session.)
+    """
+    (ti,) = make_running_tis(dag_maker, session, dag_id="listener_closed")
+    key = _key(ti)
+    listener = CallListener()
+    listener_manager(listener)
+
+    TaskInstance.fetch_handle_failure_context(ti, "task failed (test)", session=session)
+    session.close()
+    assert read_rows(*key).state == TaskInstanceState.RUNNING
+
+    session.execute(text("SELECT 1"))
+    session.commit()
+    assert listener.calls == [], "listener announced a failure that was never committed"
+
+
+@pytest.mark.skipif(
+    conftest.V3,
+    reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
+)
+@pytest.mark.proves(P3)
+def test_failure_listener_dropped_when_create_session_is_interrupted(dag_maker, session, listener_manager):
+    """``create_session()`` interrupted after the failure was queued: the next block announces nothing."""
+    (ti,) = make_running_tis(dag_maker, session, dag_id="listener_interrupted")
+    key = _key(ti)
+    listener = CallListener()
+    listener_manager(listener)
+
+    with pytest.raises(KeyboardInterrupt):
+        with create_session() as s:
+            assert s is session  # the thread's scoped session
+            TaskInstance.fetch_handle_failure_context(ti, "task failed (test)", session=s)
+            raise KeyboardInterrupt
+    assert read_rows(*key).state == TaskInstanceState.RUNNING
+
+    with create_session() as s:
+        s.execute(text("SELECT 1"))
+    assert listener.calls == [], "listener announced a failure that was never committed"
 
 
 @pytest.mark.guard
