@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import pytest
 from packaging.version import Version
+from sqlalchemy import update
 
 from airflow import __version__ as airflow_version, settings
+from airflow.models.taskinstance import TaskInstance as TI
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit.ti_race import (
@@ -132,3 +134,51 @@ def test_duplicate_reschedule_read_before_the_first_commits(dag_maker, session, 
     # 3.1's 409. Read from airflow's own version, so that the test runs unchanged in upstream's tree.
     duplicate = 200 if Version(airflow_version).release >= (3, 3) else 409
     assert statuses == sorted([204, duplicate]), f"a duplicate reschedule answered {statuses}"
+
+
+@pytest.mark.proves(P_WRITE_FIRST, base_ok_on=("postgres", "mysql"))
+def test_reschedule_read_before_another_state_commits(dag_maker, session, api):
+    """
+    The reschedule stops right after its read; another writer sets the task instance, same id, to
+    ``success`` (e.g. marked so in the UI). On PostgreSQL and MariaDB that writer waits for the row
+    lock: the reschedule commits (204) and the writer's state follows. SQLite has no row lock: the
+    writer commits first, and the reschedule must answer 409 (the route's answer for a read in that
+    state) and write nothing (v3 without the patch: it overwrote ``success`` with ``up_for_reschedule``
+    and added a ``task_reschedule`` row).
+    """
+    (ti,) = make_running_tis(dag_maker, session, dag_id="reschedule_other_state")
+    ti_id, dag_id, task_id, run_id = ti.id, ti.dag_id, ti.task_id, ti.run_id
+    session.expunge_all()
+
+    def mark_success() -> None:
+        with settings.engine.begin() as conn:
+            conn.execute(update(TI).where(TI.id == ti_id).values(state=TaskInstanceState.SUCCESS))
+
+    pause = Pause(API_READS_TI)
+    try:
+        api_call = api.reschedule_in_thread(ti_id)
+        assert pause.reached.wait(WAIT), "the reschedule never read the task instance"
+        writer = Worker(mark_success, name="writer")
+        writer.start()
+        wait_until(
+            lambda: writer.done.is_set() or lock_waiters() > 0,
+            "the writer committed or waits for the reschedule's row lock",
+        )
+        written_first = writer.done.is_set()
+        pause.release()
+        status = api_call.join_or_fail()
+        writer.join_or_fail()
+    finally:
+        pause.remove()
+
+    assert api_call.error is None and writer.error is None, (api_call.error, writer.error)
+    rows = read_rows(dag_id, task_id, run_id)
+    assert rows.state == TaskInstanceState.SUCCESS, rows
+    if settings.engine.dialect.name == "sqlite":
+        assert written_first, "on sqlite the writer should have committed before the reschedule wrote"
+    if written_first:
+        assert status == 409, f"the reschedule of a task instance no longer running answered {status}: {rows}"
+        assert rows.reschedule_ti_ids == [], rows
+    else:
+        assert status == 204, f"the reschedule holding the row lock answered {status}: {rows}"
+        assert rows.reschedule_ti_ids == [ti_id], rows
