@@ -311,6 +311,17 @@ def tooling(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def build(session: nox.Session) -> None:
+    """Build the patched apache-airflow-core wheel + sdist into dist/ (`-- --core`: the upstream-core tier).
+
+    scripts/ci/build.py: upstream's hatchling via `uv build`, version <base>+series.<n>.<hash>, the series
+    recorded in the wheel (scripts/ci/series_info.py prints it), byte-identical from the same inputs.
+    """
+    session.log(BASE_LINE)
+    session.run(sys.executable, "scripts/ci/build.py", *session.posargs, external=True)
+
+
+@nox.session(venv_backend="none")
 def prepare(session: nox.Session) -> None:
     """Build airflow-core/ from the pinned sdist (sha256-checked) and apply patches/series."""
     prepare_tree()
