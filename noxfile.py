@@ -26,6 +26,7 @@ import nox
 
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT / "scripts" / "ci"))
+import build as build_py  # noqa: E402
 import dbserver  # noqa: E402
 import tree  # noqa: E402
 
@@ -319,6 +320,34 @@ def build(session: nox.Session) -> None:
     """
     session.log(BASE_LINE)
     session.run(sys.executable, "scripts/ci/build.py", *session.posargs, external=True)
+
+
+def deploy_check(session: nox.Session, backend: str) -> None:
+    """Build the wheel (or take `-- --wheel W`), then scripts/ci/deploy_check.py on a throwaway database."""
+    session.log(BASE_LINE)
+    args = list(session.posargs)
+    if "--wheel" not in args:
+        try:
+            built = build_py.build(ROOT, ROOT / "dist", "--core" in args)
+        except tree.TreeError as e:
+            print(f"build.py: {e}", file=sys.stderr)
+            raise nox.command.CommandFailed(str(e)) from None
+        args = ["--wheel", str(next(p for p in built if p.suffix == ".whl"))]
+    extra = [f"--with={r}" for r in (*SOAK_PROVIDERS, *DRIVERS[backend], *PINS)]
+    session.run(
+        sys.executable, "scripts/ci/deploy_check.py", "--backend", backend, *args, *extra, external=True
+    )
+
+
+for _backend in DRIVERS:
+
+    def _deploy_check(session: nox.Session, backend: str = _backend) -> None:
+        deploy_check(session, backend)
+
+    _deploy_check.__doc__ = (
+        f"Install the built wheel over the released apache-airflow on {_backend}; check, migrate, roll back."
+    )
+    nox.session(name=f"deploy-check-{_backend}", venv_backend="none")(_deploy_check)
 
 
 @nox.session(venv_backend="none")
