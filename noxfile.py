@@ -1,5 +1,5 @@
 """
-Sessions of the patch series for apache-airflow-core (see README.md for the flow).
+Sessions of the patch series for apache-airflow-core (see README.md and docs/ for the flow).
 
 ``nox -s tests-sqlite|tests-postgres|tests-mysql`` materialises ``airflow-core/`` (sdist + series),
 installs it editable with the backend's driver and the test tools, gets a database (the DSN in
