@@ -257,6 +257,8 @@ def soak(session: nox.Session, backend: str) -> None:
     variant = "".join(
         f"-{v}" for v in (deployment.executor, deployment.listener) if v not in (None, "local", "slow")
     ) + (f"-{deployment.schedulers}sched" if deployment.schedulers not in (None, "1") else "")
+    installed = any(a == "--installed" or a.startswith("--installed=") for a in args)
+    variant += "-installed" if installed else ""
     version = "" if tree.is_default(ROOT) else f"{BASE['version']}-"
     # One report per run: seed and start time (UTC) in the name; run_soak.py never overwrites one.
     seed, started = deployment.seed or "42", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -271,6 +273,20 @@ def soak(session: nox.Session, backend: str) -> None:
         "--report",
         str(report),
     )
+    if installed and label == "base":
+        session.error("--installed soaks the wheel given; for the pristine release soak without --installed")
+    if installed:  # `-- --installed dist/X.whl`: the operator's installation (run_soak.py makes it), no tree
+        reqs = [f"--installed-with={r}" for r in (*SOAK_PROVIDERS, *DRIVERS[backend], *PINS)]
+        with (
+            database(session, backend) as (dsn, extra),
+            tempfile.TemporaryDirectory(prefix="airflow-home.") as home,
+        ):
+            env = {DSN_ENV: dsn, "BACKEND": backend, "AIRFLOW_HOME": home, **extra}
+            try:
+                session.run("python", *command, *args, *reqs, env=env)
+            finally:
+                tree.stop_processes_with(f"AIRFLOW_HOME={home}")
+        return
     if label == "series":
         if providers:
             prepare_tree()

@@ -80,6 +80,30 @@ def run(cmd: list[str], env: dict[str, str], step: str, timeout: float = 900) ->
     return proc.stdout.strip()
 
 
+def operator_env(home: Path) -> dict[str, str]:
+    """The environment of the commands run in the venv: ours without Airflow's settings, a new AIRFLOW_HOME."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VIRTUAL_ENV"))}
+    env.update(
+        AIRFLOW_HOME=str(home), AIRFLOW__CORE__LOAD_EXAMPLES="False", PIP_DISABLE_PIP_VERSION_CHECK="1"
+    )
+    return env
+
+
+def release_venv(venv: Path, base: str, extra: list[str], env: dict[str, str]) -> tuple[str, str]:
+    """A new venv at ``venv`` with the released ``apache-airflow==base`` and ``extra``; (python, pip) paths.
+
+    uv installs the release's dependencies (fast, from its cache); pip itself is in the venv for the operator's
+    steps that follow (``pip install --no-deps``, ``pip check``).
+    """
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+    py, pip = str(venv / "bin" / "python"), str(venv / "bin" / "pip")
+    uv = shutil.which("uv")
+    installer = [uv, "pip", "install", "--python", py] if uv else [pip, "install", "-q"]
+    run([*installer, f"apache-airflow=={base}", *extra], env,
+        f"[1] install the released apache-airflow=={base} from the package index")  # fmt: skip
+    return py, pip
+
+
 def wheel_version(wheel: Path) -> str:
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
@@ -107,16 +131,10 @@ def check(backend: str, wheel: Path, extra: list[str]) -> None:
         tmp = Path(tmp_name)
         venv, home = tmp / "venv", tmp / "home"
         home.mkdir()
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
-        py, pip, airflow = (str(venv / "bin" / n) for n in ("python", "pip", "airflow"))
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VIRTUAL_ENV"))}
-        env.update(AIRFLOW_HOME=str(home), AIRFLOW__CORE__LOAD_EXAMPLES="False",
-                   PIP_DISABLE_PIP_VERSION_CHECK="1")  # fmt: skip
-        uv = shutil.which("uv")
-        installer = [uv, "pip", "install", "--python", py] if uv else [pip, "install", "-q"]
+        env = operator_env(home)
         started = time.monotonic()
-        run([*installer, f"apache-airflow=={base}", *extra], env,
-            f"[1] install the released apache-airflow=={base} from the package index")  # fmt: skip
+        py, pip = release_venv(venv, base, extra, env)
+        airflow = str(venv / "bin" / "airflow")
         core = run([py, "-c", "import airflow; print(airflow.__version__)"], env, "[1] airflow")
         say(f"[1] released apache-airflow=={base} + {' '.join(extra)} installed in "
             f"{time.monotonic() - started:.0f} s: apache-airflow-core {core}")  # fmt: skip
