@@ -283,7 +283,7 @@ def soak(session: nox.Session, backend: str) -> None:
         ):
             env = {DSN_ENV: dsn, "BACKEND": backend, "AIRFLOW_HOME": home, **extra}
             try:
-                session.run("python", *command, *args, *reqs, env=env)
+                session.run(*command, *args, *reqs, env=env)
             finally:
                 tree.stop_processes_with(f"AIRFLOW_HOME={home}")
         return
