@@ -225,7 +225,14 @@ backend_sessions(
 # require the apache-airflow meta package of the core's version beside the editable patched core.
 # openlineage 2.15.0 is the last release whose scheduler-side on_task_instance_failed forks and waits up
 # to [openlineage] execution_timeout (the reporter's amplifier); 2.16.0+ hands it to a process pool.
-SOAK_PROVIDERS = ["apache-airflow-providers-celery==3.26.0", "apache-airflow-providers-openlineage==2.15.0"]
+# celery 5.7.0 removed `retry` from celery.backends.database, which the celery provider 3.26.0 imports (its
+# workers and CeleryExecutor fail to import): a fresh resolution picks 5.7.0 (seen 2026-12-04 in
+# `soak -- --installed` and deploy-check); 5.6.3 is what the soak venvs had.
+SOAK_PROVIDERS = [
+    "apache-airflow-providers-celery==3.26.0",
+    "apache-airflow-providers-openlineage==2.15.0",
+    "celery<5.7",
+]
 
 
 def soak_providers(session: nox.Session, backend: str) -> None:

@@ -39,6 +39,10 @@ import dbserver  # noqa: E402
 import tree  # noqa: E402
 
 INFO = Path(__file__).with_name("series_info.py")
+PROVIDER_MODULES = {
+    "apache-airflow-providers-celery": "airflow.providers.celery.executors.celery_executor",
+    "apache-airflow-providers-openlineage": "airflow.providers.openlineage.plugins.listener",
+}
 # Run with the venv's Python: the migration scripts' alembic head and digest, the database's revision,
 # tables and row counts (the DSN comes from the environment, as Airflow reads it).
 PROBE = r"""
@@ -104,6 +108,13 @@ def release_venv(venv: Path, base: str, extra: list[str], env: dict[str, str]) -
     return py, pip
 
 
+def import_providers(py: str, extra: list[str], env: dict[str, str], step: str, say) -> None:
+    """pip check reads metadata only: import what the providers' executors and listeners import."""
+    for module in [m for p, m in PROVIDER_MODULES.items() if any(e.startswith(p) for e in extra)]:
+        run([py, "-c", f"import {module}"], env, f"{step} import {module}")
+        say(f"    import {module}: ok")
+
+
 def wheel_version(wheel: Path) -> str:
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
@@ -142,6 +153,7 @@ def check(backend: str, wheel: Path, extra: list[str]) -> None:
             env[dbserver.DSN_ENV] = dsn
             probe = lambda step: json.loads(run([py, "-c", PROBE], env, step).splitlines()[-1])  # noqa: E731
             release = probe("[1] probe the release")
+            import_providers(py, extra, env, "[1]", say)
             say(
                 f"    release's migrations: alembic head {release['heads']}, scripts sha256 {release['migrations']}"
             )
@@ -153,6 +165,7 @@ def check(backend: str, wheel: Path, extra: list[str]) -> None:
                 raise CheckFailed(f"[4] airflow version printed {shown!r}, the wheel is {version}")
             carried = run([py, str(INFO)], env, "[4] series_info.py").splitlines()[0]
             say(f"[4] airflow version: {shown}; series_info.py: {carried}")
+            import_providers(py, extra, env, "[4]", say)
             series = probe("[4] probe the series")
             if (series["heads"], series["migrations"]) != (release["heads"], release["migrations"]):
                 raise CheckFailed(f"[4] the series changes the migrations: {series} vs the release {release}")

@@ -169,14 +169,14 @@ def log(msg: str) -> None:
         print(f"[soak {datetime.datetime.now().strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run_detached(argv: list[str], python: str = sys.executable) -> int:
+def run_detached(argv: list[str], python: str = sys.executable, **extra_env: str) -> int:
     """
     Run the soak in a child process in its own session and wait for it, forwarding SIGINT, SIGTERM and
     SIGHUP to it as SIGTERM. A caller may kill this process right after interrupting it (nox sends
     SIGTERM 0.3 s after Ctrl-C and SIGKILL 0.2 s later; a closed terminal takes its process group
     along): the child, outside that process group, still stops every process it started.
     """
-    env = dict(os.environ, SOAK_DETACHED="1")
+    env = dict(os.environ, SOAK_DETACHED="1", **extra_env)
     child = subprocess.Popen([python, str(Path(__file__).resolve()), *argv], env=env, start_new_session=True)
 
     def forward(signum, frame):
@@ -205,7 +205,9 @@ def run_installed(args: argparse.Namespace, argv: list[str]) -> int:
         skip = a in ("--installed", "--installed-with")
         if not skip:
             rest.append(a)
-    with tempfile.TemporaryDirectory(prefix="soak-installed.") as tmp:
+    # Removed by the soak's own child at its end too: nox may SIGKILL this process right after a Ctrl-C.
+    tmp = tempfile.mkdtemp(prefix="soak-installed.")
+    try:
         venv, env = Path(tmp) / "venv", dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
         try:
             py, pip = deploy_check.release_venv(venv, version.split("+", 1)[0], args.installed_with, env)
@@ -217,7 +219,9 @@ def run_installed(args: argparse.Namespace, argv: list[str]) -> int:
             return 2
         log(f"installed {wheel.name} over apache-airflow=={version.split('+', 1)[0]} "
             f"({' '.join(args.installed_with)}): pip check: {checked}; airflow version {shown.splitlines()[-1]}")  # fmt: skip
-        return run_detached(rest, python=py)
+        return run_detached(rest, python=py, SOAK_INSTALLED_VENV=tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class SoakError(Exception):
@@ -2119,6 +2123,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if os.environ.get("SOAK_DETACHED") != "1":
         return run_detached(sys.argv[1:] if argv is None else argv)
+    if venv := os.environ.get("SOAK_INSTALLED_VENV"):  # --installed: the venv this process runs from
+        import atexit
+
+        atexit.register(shutil.rmtree, venv, ignore_errors=True)
     soak = Soak(args)
 
     def on_signal(signum, frame):
