@@ -1,5 +1,5 @@
 """
-Sessions of the patch series for apache-airflow-core (see README.md for the flow).
+Sessions of the patch series for apache-airflow-core (see README.md and docs/ for the flow).
 
 ``nox -s tests-sqlite|tests-postgres|tests-mysql`` materialises ``airflow-core/`` (sdist + series),
 installs it editable with the backend's driver and the test tools, gets a database (the DSN in
@@ -26,6 +26,7 @@ import nox
 
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT / "scripts" / "ci"))
+import build as build_py  # noqa: E402
 import dbserver  # noqa: E402
 import tree  # noqa: E402
 
@@ -224,7 +225,14 @@ backend_sessions(
 # require the apache-airflow meta package of the core's version beside the editable patched core.
 # openlineage 2.15.0 is the last release whose scheduler-side on_task_instance_failed forks and waits up
 # to [openlineage] execution_timeout (the reporter's amplifier); 2.16.0+ hands it to a process pool.
-SOAK_PROVIDERS = ["apache-airflow-providers-celery==3.26.0", "apache-airflow-providers-openlineage==2.15.0"]
+# celery 5.7.0 removed `retry` from celery.backends.database, which the celery provider 3.26.0 imports (its
+# workers and CeleryExecutor fail to import): a fresh resolution picks 5.7.0 (seen 2026-12-04 in
+# `soak -- --installed` and deploy-check); 5.6.3 is what the soak venvs had.
+SOAK_PROVIDERS = [
+    "apache-airflow-providers-celery==3.26.0",
+    "apache-airflow-providers-openlineage==2.15.0",
+    "celery<5.7",
+]
 
 
 def soak_providers(session: nox.Session, backend: str) -> None:
@@ -256,6 +264,8 @@ def soak(session: nox.Session, backend: str) -> None:
     variant = "".join(
         f"-{v}" for v in (deployment.executor, deployment.listener) if v not in (None, "local", "slow")
     ) + (f"-{deployment.schedulers}sched" if deployment.schedulers not in (None, "1") else "")
+    installed = any(a == "--installed" or a.startswith("--installed=") for a in args)
+    variant += "-installed" if installed else ""
     version = "" if tree.is_default(ROOT) else f"{BASE['version']}-"
     # One report per run: seed and start time (UTC) in the name; run_soak.py never overwrites one.
     seed, started = deployment.seed or "42", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -270,6 +280,20 @@ def soak(session: nox.Session, backend: str) -> None:
         "--report",
         str(report),
     )
+    if installed and label == "base":
+        session.error("--installed soaks the wheel given; for the pristine release soak without --installed")
+    if installed:  # `-- --installed dist/X.whl`: the operator's installation (run_soak.py makes it), no tree
+        reqs = [f"--installed-with={r}" for r in (*SOAK_PROVIDERS, *DRIVERS[backend], *PINS)]
+        with (
+            database(session, backend) as (dsn, extra),
+            tempfile.TemporaryDirectory(prefix="airflow-home.") as home,
+        ):
+            env = {DSN_ENV: dsn, "BACKEND": backend, "AIRFLOW_HOME": home, **extra}
+            try:
+                session.run(*command, *args, *reqs, env=env)
+            finally:
+                tree.stop_processes_with(f"AIRFLOW_HOME={home}")
+        return
     if label == "series":
         if providers:
             prepare_tree()
@@ -308,6 +332,45 @@ def tooling(session: nox.Session) -> None:
     """
     session.install("pytest", "pytest-asyncio", "sqlalchemy", "psycopg2-binary")
     session.run("pytest", "tests/tooling", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def build(session: nox.Session) -> None:
+    """Build the patched apache-airflow-core wheel + sdist into dist/ (`-- --core`: the upstream-core tier).
+
+    scripts/ci/build.py: upstream's hatchling via `uv build`, version <base>+series.<n>.<hash>, the series
+    recorded in the wheel (scripts/ci/series_info.py prints it), byte-identical from the same inputs.
+    """
+    session.log(BASE_LINE)
+    session.run(sys.executable, "scripts/ci/build.py", *session.posargs, external=True)
+
+
+def deploy_check(session: nox.Session, backend: str) -> None:
+    """Build the wheel (or take `-- --wheel W`), then scripts/ci/deploy_check.py on a throwaway database."""
+    session.log(BASE_LINE)
+    args = list(session.posargs)
+    if "--wheel" not in args:
+        try:
+            built = build_py.build(ROOT, ROOT / "dist", "--core" in args)
+        except tree.TreeError as e:
+            print(f"build.py: {e}", file=sys.stderr)
+            raise nox.command.CommandFailed(str(e)) from None
+        args = ["--wheel", str(next(p for p in built if p.suffix == ".whl"))]
+    extra = [f"--with={r}" for r in (*SOAK_PROVIDERS, *DRIVERS[backend], *PINS)]
+    session.run(
+        sys.executable, "scripts/ci/deploy_check.py", "--backend", backend, *args, *extra, external=True
+    )
+
+
+for _backend in DRIVERS:
+
+    def _deploy_check(session: nox.Session, backend: str = _backend) -> None:
+        deploy_check(session, backend)
+
+    _deploy_check.__doc__ = (
+        f"Install the built wheel over the released apache-airflow on {_backend}; check, migrate, roll back."
+    )
+    nox.session(name=f"deploy-check-{_backend}", venv_backend="none")(_deploy_check)
 
 
 @nox.session(venv_backend="none")

@@ -169,17 +169,15 @@ def log(msg: str) -> None:
         print(f"[soak {datetime.datetime.now().strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run_detached(argv: list[str]) -> int:
+def run_detached(argv: list[str], python: str = sys.executable, **extra_env: str) -> int:
     """
     Run the soak in a child process in its own session and wait for it, forwarding SIGINT, SIGTERM and
     SIGHUP to it as SIGTERM. A caller may kill this process right after interrupting it (nox sends
     SIGTERM 0.3 s after Ctrl-C and SIGKILL 0.2 s later; a closed terminal takes its process group
     along): the child, outside that process group, still stops every process it started.
     """
-    env = dict(os.environ, SOAK_DETACHED="1")
-    child = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), *argv], env=env, start_new_session=True
-    )
+    env = dict(os.environ, SOAK_DETACHED="1", **extra_env)
+    child = subprocess.Popen([python, str(Path(__file__).resolve()), *argv], env=env, start_new_session=True)
 
     def forward(signum, frame):
         with contextlib.suppress(ProcessLookupError):
@@ -188,6 +186,42 @@ def run_detached(argv: list[str]) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, forward)
     return child.wait()
+
+
+def run_installed(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--installed WHEEL``: make the operator's installation in a temporary venv, then soak with its Python."""
+    import deploy_check  # scripts/ci: the venv of the released Airflow, as `nox -s deploy-check-<db>` makes it
+
+    wheel = Path(args.installed).resolve()
+    if not wheel.is_file():
+        print(f"soak: --installed {args.installed}: no such wheel (`nox -s build` makes it)", file=sys.stderr)
+        return 2
+    version = deploy_check.wheel_version(wheel)
+    rest, skip = [], False
+    for a in argv:  # the same soak, without the installation options
+        if skip or a.startswith(("--installed=", "--installed-with=")):
+            skip = False
+            continue
+        skip = a in ("--installed", "--installed-with")
+        if not skip:
+            rest.append(a)
+    # Removed by the soak's own child at its end too: nox may SIGKILL this process right after a Ctrl-C.
+    tmp = tempfile.mkdtemp(prefix="soak-installed.")
+    try:
+        venv, env = Path(tmp) / "venv", dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
+        try:
+            py, pip = deploy_check.release_venv(venv, version.split("+", 1)[0], args.installed_with, env)
+            deploy_check.run([pip, "install", "--no-deps", str(wheel)], env, "pip install --no-deps WHEEL")
+            checked = deploy_check.run([pip, "check"], env, "pip check")
+            shown = deploy_check.run([str(venv / "bin" / "airflow"), "version"], env, "airflow version")
+        except deploy_check.CheckFailed as e:
+            print(f"soak: --installed: {e}", file=sys.stderr)
+            return 2
+        log(f"installed {wheel.name} over apache-airflow=={version.split('+', 1)[0]} "
+            f"({' '.join(args.installed_with)}): pip check: {checked}; airflow version {shown.splitlines()[-1]}")  # fmt: skip
+        return run_detached(rest, python=py, SOAK_INSTALLED_VENV=tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class SoakError(Exception):
@@ -2016,6 +2050,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--warmup-timeout", type=float, default=300, help="max seconds until the first task process runs"
     )
+    p.add_argument(
+        "--installed",
+        metavar="WHEEL",
+        help="soak an installation made as an operator makes it: a new venv (removed at the end) with the released"
+        " apache-airflow of WHEEL's base and --installed-with from the package index, then `pip install --no-deps"
+        " WHEEL` (nox -s build makes it); not this Python's tree",
+    )
+    p.add_argument("--installed-with", action="append", default=[], metavar="REQ", help="see --installed")
     p.add_argument("--home", help="AIRFLOW_HOME to use (default: a new temp dir)")
     p.add_argument("--keep-home", action="store_true", help="keep the AIRFLOW_HOME (always kept on failure)")
     args = p.parse_args(argv)
@@ -2041,6 +2083,8 @@ def main(argv: list[str] | None = None) -> int:
             f"soak: {' and '.join(existing)} exists: not overwritten; give another --report", file=sys.stderr
         )
         return 2
+    if args.installed:
+        return run_installed(args, sys.argv[1:] if argv is None else argv)
     if args.listener_sleep is None:
         args.listener_sleep = 5.0 if args.listener == "slow" else 0.0
     needs = {"celery": args.executor == "celery", "openlineage": args.listener == "openlineage"}
@@ -2079,6 +2123,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if os.environ.get("SOAK_DETACHED") != "1":
         return run_detached(sys.argv[1:] if argv is None else argv)
+    if venv := os.environ.get("SOAK_INSTALLED_VENV"):  # --installed: the venv this process runs from
+        import atexit
+
+        atexit.register(shutil.rmtree, venv, ignore_errors=True)
     soak = Soak(args)
 
     def on_signal(signum, frame):

@@ -345,3 +345,33 @@ def test_a_crash_is_classified_by_its_own_exception_not_by_an_earlier_handled_er
     ]
     text = "\n".join([handled, *series])
     assert run_soak.classify_exit(run_soak.Soak._exit_context(text))[0] == "series"
+
+
+def test_installed_without_network_to_the_index_is_one_line_and_leaves_no_venv(tmp_path):
+    """--installed (issue 31): the venv of the released Airflow cannot be made; the cause is named."""
+    import os
+    import subprocess
+    import zipfile
+
+    wheel = tmp_path / "apache_airflow_core-3.3.2+series.1.abc-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(
+            "apache_airflow_core-3.3.2+series.1.abc.dist-info/METADATA", "Version: 3.3.2+series.1.abc\n"
+        )
+    temp, closed = tmp_path / "temp", "http://127.0.0.1:9/simple"
+    temp.mkdir()
+    argv = ["--backend", "postgres", "--report", str(tmp_path / "r"), "--installed", str(wheel)]
+    env = {"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "postgresql://u:secret@127.0.0.1:1/db", "TMPDIR": str(temp),
+           "UV_DEFAULT_INDEX": closed, "UV_INDEX_URL": closed, "PIP_INDEX_URL": closed}  # fmt: skip
+    proc = subprocess.run([sys.executable, str(Path(run_soak.__file__)), *argv, "--installed-with", "asyncpg"],
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "soak: --installed: [1] install the released apache-airflow==3.3.2"
+    )
+    assert "Connection refused" in lines[0] and "secret" not in proc.stdout + proc.stderr
+    assert not list(temp.iterdir())
+    missing = subprocess.run([sys.executable, str(Path(run_soak.__file__)), *argv[:4], "--installed", "x.whl"],
+                             env={**os.environ, **env}, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert missing.returncode == 2 and "--installed x.whl: no such wheel" in missing.stderr

@@ -1,0 +1,128 @@
+"""scripts/ci/build.py: reproducible wheel + sdist with the series recorded; refusals (issue 31, item 1).
+
+Builds a throwaway project's series with upstream's own backend (needs git, the sdist and `uv` with access to
+the package index for hatchling); each build takes about 10 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from seriesproject import ROOT, SINK, add_flush, make_project, message  # noqa: E402
+
+BUILD = ROOT / "scripts" / "ci" / "build.py"
+INFO = ROOT / "scripts" / "ci" / "series_info.py"
+MARKER = "# --- operator tail ---"
+SCHEDULER = "src/airflow/jobs/scheduler_job_runner.py"
+
+
+def run(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if k != "USE_AIRFLOW_VERSION"}
+    return subprocess.run([sys.executable, str(BUILD), "--root", str(root), *args], capture_output=True,
+                          text=True, env={**clean, **env}, timeout=600)  # fmt: skip
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("build.py: "), proc.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    comment = lambda text: "# a second patch of the test series\n" + text  # noqa: E731
+    return make_project(
+        tmp_path_factory.mktemp("build") / "project",
+        [
+            ({SINK: add_flush}, message("Flush the callback row in the caller's session")),
+            ({SCHEDULER: comment}, message("Add a comment to the scheduler")),
+        ],
+    )
+
+
+def test_two_builds_are_byte_identical_and_carry_version_and_series(project: Path, tmp_path: Path):
+    first, second = tmp_path / "one", tmp_path / "two"
+    assert run(project, "--dist", str(first)).returncode == 0
+    proc = run(project, "--dist", str(second))
+    assert proc.returncode == 0, proc.stderr
+    names = sorted(p.name for p in first.iterdir())
+    assert names == sorted(p.name for p in second.iterdir()) and len(names) == 2
+    for name in names:
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    version = re.fullmatch(r"apache_airflow_core-(3\.3\.2\+series\.2\.[0-9a-gz]+)\.tar\.gz", names[1])[1]
+    wheel = zipfile.ZipFile(first / names[0])
+    assert names[0] == f"apache_airflow_core-{version}-py3-none-any.whl"
+    assert f'__version__ = "{version}"' in wheel.read("airflow/__init__.py").decode()
+    record = json.loads(
+        wheel.read(f"apache_airflow_core-{version}.dist-info/extra_metadata/airflow-core-series.json")
+    )
+    assert [p["name"] for p in record["patches"]] == [p.strip() for p in (project / "patches" / "series")
+                                                      .read_text().splitlines() if not p.startswith("#")]  # fmt: skip
+    assert record["patches"][0]["bug"] == ["https://github.com/apache/airflow/issues/42553"]
+    assert "session.flush()" in wheel.read("airflow/callbacks/database_callback_sink.py").decode()
+    with tarfile.open(first / names[1]) as sdist:
+        info = sdist.extractfile(f"apache_airflow_core-{version}/PKG-INFO").read().decode()
+    assert f"\nVersion: {version}\n" in info
+    shown = subprocess.run([sys.executable, str(INFO), str(first / names[0])], capture_output=True, text=True)
+    assert shown.returncode == 0 and f"{version}: 3.3.2 + 2 patch(es)" in shown.stdout
+    assert "Flush the callback row in the caller's session" in shown.stdout
+
+
+def test_core_tier_is_the_patches_above_the_marker(project: Path, tmp_path: Path):
+    series = project / "patches" / "series"
+    text = series.read_text()
+    assert one_line_error(run(project, "--core", "--dist", str(tmp_path))).endswith(
+        f"has no `{MARKER}` line: its tiers are not marked yet, so --core cannot be built "
+        "(build without --core for the whole series)"
+    )
+    lines = text.splitlines()
+    series.write_text("\n".join([*lines[:-1], MARKER, lines[-1]]) + "\n")
+    try:
+        proc = run(project, "--core", "--dist", str(tmp_path))
+    finally:
+        series.write_text(text)
+    assert proc.returncode == 0, proc.stderr
+    wheel = next(tmp_path.glob("*.whl"))
+    assert re.fullmatch(r"apache_airflow_core-3\.3\.2\+series\.core\.1\.\w+-py3-none-any\.whl", wheel.name)
+    scheduler = zipfile.ZipFile(wheel).read("airflow/jobs/scheduler_job_runner.py").decode()
+    assert "# a second patch" not in scheduler
+
+
+@pytest.mark.parametrize("case", ["edited", "untracked", "partial"])
+def test_a_tree_that_is_not_exactly_the_series_is_refused(project: Path, tmp_path: Path, case: str):
+    core = project / "airflow-core"
+    git = ["git", "-C", str(core)]
+    if case == "edited":
+        (core / SINK).write_text((core / SINK).read_text() + "# local edit\n")
+    elif case == "untracked":
+        (core / "notes.txt").write_text("mine\n")
+    else:
+        subprocess.run([*git, "checkout", "-q", "--detach", "series~1"], check=True)
+    try:
+        error = one_line_error(run(project, "--dist", str(tmp_path / "dist")))
+    finally:
+        subprocess.run([*git, "checkout", "-q", "-f", "series"], check=True)
+        (core / "notes.txt").unlink(missing_ok=True)
+    assert {
+        "edited": f"airflow-core/ has uncommitted changes ({SINK})",
+        "untracked": "airflow-core/ has untracked files (notes.txt)",
+        "partial": "airflow-core/ is a partial checkout (base + 1 of 2 patches)",
+    }[case] in error
+    assert not (tmp_path / "dist").exists()
+
+
+def test_an_unknown_base_is_refused(project: Path, tmp_path: Path):
+    error = one_line_error(run(project, "--dist", str(tmp_path / "dist"), USE_AIRFLOW_VERSION="9.9.9"))
+    assert "USE_AIRFLOW_VERSION=9.9.9 is not a supported base; supported: 3.3.2" in error
+    assert not (tmp_path / "dist").exists()
