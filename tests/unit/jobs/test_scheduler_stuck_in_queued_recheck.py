@@ -30,6 +30,7 @@ from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance
 from airflow.models.trigger import Trigger
 from airflow.utils.state import TaskInstanceState
+from tests.unit import conftest
 from tests.unit.jobs.test_scheduler_heartbeat_timeout import lock_wait_timeout
 from tests.unit.jobs.test_scheduler_stale_executor_events import _make_deferrable, _queue, _reload, _schedule
 from tests.unit.ti_race import WAIT, lock_waiters, wait_until
@@ -198,6 +199,11 @@ def test_worker_start_after_the_recheck_waits_and_finds_the_try_rescheduled(
     waiting for the row lock (or has finished: 3.3.2 takes no lock, so the worker starts the
     try and the handler then resets it to scheduled: a duplicate run).
     """
+    if conftest.V3 and not conftest.dialect_locks_rows(session):
+        pytest.skip(
+            "series v3 re-checks under Airflow's with_row_locks, which emits no FOR UPDATE on MariaDB (Airflow "
+            "does not support MariaDB; MySQL 8 gets the lock): the re-check only narrows the window here"
+        )
     runner = scheduler_job_runner
     lock_wait_timeout(other_session, int(WAIT))
     result: dict = {}
