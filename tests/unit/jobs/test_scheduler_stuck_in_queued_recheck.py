@@ -30,7 +30,6 @@ from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance
 from airflow.models.trigger import Trigger
 from airflow.utils.state import TaskInstanceState
-from tests.unit import conftest
 from tests.unit.jobs.test_scheduler_heartbeat_timeout import lock_wait_timeout
 from tests.unit.jobs.test_scheduler_stale_executor_events import _make_deferrable, _queue, _reload, _schedule
 from tests.unit.ti_race import WAIT, lock_waiters, wait_until
@@ -153,6 +152,40 @@ def test_task_instance_that_left_queued_after_selection_is_left_alone(
     assert _stuck_logs(session) == 0
 
 
+@pytest.mark.proves(PATCH)
+@pytest.mark.parametrize("path", ["reschedule", "fail"])
+@pytest.mark.parametrize("change", ["adopted", "queued_again"])
+def test_task_instance_queued_anew_after_selection_is_left_alone(
+    session, other_session, scheduler_job_runner, stuck_ti, monkeypatch, path, change
+):
+    """Still queued, but adopted by another scheduler or queued again since the selection: not stuck."""
+    runner = scheduler_job_runner
+    if path == "fail":
+        runner._num_stuck_queued_retries = 0
+    values = (
+        {"queued_by_job_id": runner.job.id + 1000}
+        if change == "adopted"
+        else {"queued_dttm": timezone.utcnow()}
+    )
+
+    def move():
+        other_session.execute(update(TaskInstance).where(TaskInstance.id == stuck_ti.id).values(**values))
+        other_session.commit()
+
+    _worker_moves_after_selection(runner, monkeypatch, move)
+
+    runner._handle_tasks_stuck_in_queued(session=session)
+    session.commit()
+
+    after = _reload(session, stuck_ti)
+    assert after.state == TaskInstanceState.QUEUED
+    assert {key: getattr(after, key) for key in values} == values
+    assert runner.executor.revoked == []
+    assert runner.executor.callbacks_sent == []
+    assert runner.executor.state_changes == []
+    assert _stuck_logs(session) == 0
+
+
 @pytest.mark.guard
 def test_task_instance_still_stuck_is_rescheduled(session, scheduler_job_runner, stuck_ti):
     """Guard: a task instance that really is stuck is revoked and set back to scheduled."""
@@ -199,11 +232,10 @@ def test_worker_start_after_the_recheck_waits_and_finds_the_try_rescheduled(
     waiting for the row lock (or has finished: 3.3.2 takes no lock, so the worker starts the
     try and the handler then resets it to scheduled: a duplicate run).
     """
-    if conftest.V3 and not conftest.dialect_locks_rows(session):
-        pytest.skip(
-            "series v3 re-checks under Airflow's with_row_locks, which emits no FOR UPDATE on MariaDB (Airflow "
-            "does not support MariaDB; MySQL 8 gets the lock): the re-check only narrows the window here"
-        )
+    from tests.unit.conftest import dialect_locks_rows, no_row_locks_reason
+
+    if not dialect_locks_rows(session):  # the re-check locks the row with with_row_locks
+        pytest.skip(no_row_locks_reason(session))
     runner = scheduler_job_runner
     lock_wait_timeout(other_session, int(WAIT))
     result: dict = {}
@@ -248,3 +280,27 @@ def test_worker_start_after_the_recheck_waits_and_finds_the_try_rescheduled(
         "the worker started a try that stuck-in-queued handling then reset to scheduled"
     )
     assert runner.executor.revoked == [stuck_ti.key]
+
+
+@pytest.mark.backend("postgres", "mysql")
+@pytest.mark.proves(PATCH)
+def test_row_lock_is_released_when_the_executor_cannot_revoke(
+    session, other_session, scheduler_job_runner, stuck_ti, monkeypatch
+):
+    """An executor without revoke_task (NotImplementedError): the re-check's row lock is not kept."""
+    from tests.unit.callbacks.test_database_callback_sink_transaction import _row_locked
+    from tests.unit.conftest import dialect_locks_rows, no_row_locks_reason
+
+    if not dialect_locks_rows(session):
+        pytest.skip(no_row_locks_reason(session))
+    runner = scheduler_job_runner
+
+    def revoke_task(*, ti):
+        raise NotImplementedError
+
+    monkeypatch.setattr(runner.executor, "revoke_task", revoke_task)
+    runner._handle_tasks_stuck_in_queued(session=session)
+
+    assert not _row_locked(other_session, stuck_ti.id), "the handler still holds the row lock"
+    session.commit()
+    assert _reload(session, stuck_ti).state == TaskInstanceState.QUEUED
