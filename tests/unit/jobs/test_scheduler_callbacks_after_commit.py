@@ -129,3 +129,32 @@ def test_legacy_callback_path_sends_one_request_when_the_event_is_handled_again(
     assert [(r.state, r.try_number) for r in rows(dag_id)] == [(UP_FOR_RETRY, 1)]
     requests = [r for r in callbacks_of(dag_id) if isinstance(r, TaskCallbackRequest)]
     assert len(requests) == 1, requests
+
+
+@pytest.mark.proves("Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch")
+def test_a_raising_call_after_the_commit_does_not_stop_the_others(dag_maker, session, scheduler_job_runner):
+    """
+    Two FAILED executor events in one step; the executor's 3.3.2-style ``send_callback(self, request)``
+    raises for the first request. Both failures are committed, the second request is still sent, and the
+    step does not raise. Before: the call was made inside the event's handling and its exception left the
+    scheduler loop.
+    """
+    runner = scheduler_job_runner
+    executor = runner.executor
+    sent: list[str] = []
+
+    def flaky_send_callback(self, request):
+        if not sent:
+            sent.append("raised")
+            raise RuntimeError("callback sink down")
+        sent.append(request.ti.dag_id)
+        self.callback_sink.send(request)
+
+    executor.send_callback = types.MethodType(flaky_send_callback, executor)
+    tis = two_failed_events(dag_maker, session, runner, "raising_call")
+    session.commit()
+    executor_events_step(runner)
+    assert sent[0] == "raised" and len(sent) == 2, sent
+    for dag_id in tis:
+        assert [(r.state, r.try_number) for r in rows(dag_id)] == [(UP_FOR_RETRY, 1)]
+    assert len([r for r in callbacks_of(sent[1]) if isinstance(r, TaskCallbackRequest)]) == 1
