@@ -363,6 +363,35 @@ def test_clearing_running_sensor_while_reschedule_in_flight(dag_maker, session, 
     assert rows.history_tries == [1], rows
 
 
+@pytest.mark.proves("Lock-task-instance-rows-before-clearing-them.patch")
+def test_clearing_a_task_instance_whose_try_failed_after_it_was_read(dag_maker, session):
+    """
+    A clear (UI, API, ``dag.clear``) reads the task instance without a lock; the scheduler then fails the try
+    for retry and commits, which gives the row a new id. The clear must clear the row as it is now. Found by
+    review of series v3: locking and re-reading by the old id found nothing and the flush raised
+    ``StaleDataError`` (on the release, too: it updates by the id it read).
+    """
+    (ti,) = make_running_tis(dag_maker, session, dag_id="clear_after_retry", retries=1)
+    key = _key(ti)
+    to_clear = list(session.scalars(select(TaskInstance).where(TaskInstance.dag_id == "clear_after_retry")))
+    session.commit()
+    with settings.NonScopedSession() as other:
+        failing = other.get(TaskInstance, ti.id)
+        failing.task = ti.task
+        failing.handle_failure("killed (test)", session=other)
+        other.commit()
+        new_id = failing.id
+    assert read_rows(*key).state == TaskInstanceState.UP_FOR_RETRY
+
+    clear_task_instances(to_clear, session)
+    session.commit()
+
+    rows = read_rows(*key)
+    assert rows.state is None, rows
+    assert rows.ti_id not in (ti.id, new_id), rows
+    assert rows.history_tries == [1], rows
+
+
 # ---------------------------------------------------------------------------------------------
 # Patch 2 through the real scheduler path: _process_executor_events
 # ---------------------------------------------------------------------------------------------
