@@ -480,7 +480,8 @@ def deadlock_the_scheduler(other_session, callback_key: CallbackKey) -> None:
     other_session.rollback()
 
 
-@pytest.mark.proves(P_KEEP, base_ok_on=("postgres",))
+# Series v3 takes no savepoint before its executor-event patch: postgres is vulnerable there too.
+@pytest.mark.proves(P_KEEP, base_ok_on=() if conftest.V3 else ("postgres",))
 def test_deadlock_that_ends_the_whole_transaction_puts_back_every_event_of_it(
     dag_maker, session, other_session, scheduler_job_runner, backend
 ):

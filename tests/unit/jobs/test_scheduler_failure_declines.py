@@ -254,7 +254,10 @@ class CommitCounter:
         event.remove(self.session, "after_commit", self._count)
 
 
-@pytest.mark.proves(PATCH)
+# Series v3: the batch's set_state gets the session in the executor-event patch.
+@pytest.mark.proves(
+    "Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch" if conftest.V3 else PATCH
+)
 @pytest.mark.parametrize("case", ["restarting_success", "dag_not_found"])
 def test_executor_event_set_state_does_not_commit_the_batch(dag_maker, session, scheduler_job_runner, case):
     """
@@ -451,7 +454,7 @@ def test_heartbeat_purge_rolls_back_when_failure_handling_declines(
 # ---------------------------------------------------------------------------------------------
 # Concurrent clears of overlapping sets
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.proves(PATCH)
+@pytest.mark.proves("Lock-task-instance-rows-before-clearing-them.patch" if conftest.V3 else PATCH)
 @pytest.mark.backend("postgres", "mysql")
 def test_concurrent_clears_of_overlapping_sets_finish(dag_maker, session, backend):
     """

@@ -289,7 +289,7 @@ def test_worker_start_after_the_recheck_waits_and_finds_the_try_rescheduled(
     "the pass commits (series v3 only)",
 )
 @pytest.mark.backend("postgres", "mysql")
-@pytest.mark.proves(PATCH)
+@pytest.mark.guard  # v3 before the re-check takes no lock to release: it holds at every step
 def test_row_lock_is_released_when_the_executor_cannot_revoke(
     session, other_session, scheduler_job_runner, stuck_ti, monkeypatch
 ):

@@ -313,7 +313,7 @@ def test_sqlite_reschedule_while_failure_listener_runs(dag_maker, session, liste
     assert assert_consistent(read_rows(*_key(ti)), old_id, api_call.result) == "failure won"
 
 
-@pytest.mark.proves(P2)
+@pytest.mark.proves("Lock-task-instance-rows-before-clearing-them.patch" if conftest.V3 else P2)
 @pytest.mark.backend("postgres", "mysql")
 def test_clearing_running_sensor_while_reschedule_in_flight(dag_maker, session, api, pauses):
     """
