@@ -1007,6 +1007,9 @@ def scheduler_job_runner() -> Generator[SchedulerJobRunner, None, None]:
         ex.end()
 
 
+V3_HEARTBEAT_RULE = "Do-not-fail-a-running-try-that-still-heartbeats-on-an-executor-event.patch"
+
+
 def failed_event_hold() -> timedelta:
     """
     How long the series holds a FAILED executor event of a running try whose process heartbeated
@@ -1021,21 +1024,42 @@ def failed_event_hold() -> timedelta:
     return timedelta(seconds=min(timeout, (attempts + 1) * interval))
 
 
+def once_its_heartbeat_timed_out():
+    """
+    The clock when series v3 lets an executor event fail a running try whose process died: past
+    ``[scheduler] task_instance_heartbeat_timeout`` (``V3_HEARTBEAT_RULE``); now on a queue without that patch.
+    """
+    import contextlib
+
+    import time_machine
+    from airflow._shared.timezones import timezone as tz
+    from airflow.configuration import conf
+
+    if not carries(V3_HEARTBEAT_RULE):
+        return contextlib.nullcontext()
+    timeout = conf.getint("scheduler", "task_instance_heartbeat_timeout")
+    return time_machine.travel(tz.utcnow() + timedelta(seconds=timeout + 1), tick=False)
+
+
 def process_events_of_dead_process(runner: SchedulerJobRunner, session: Session, executor=None) -> int:
     """
     ``runner._process_executor_events`` for events of a try whose process died (no commit).
 
-    A FAILED event of a running try that heartbeated recently is held by the series until the try
-    heartbeats again or the hold ends (``failed_event_hold``). Where the event is still in the
-    executor's buffer after the pass, the clock is moved past the hold, as the scheduler loop reaches
-    it when no heartbeat of the dead process follows, and the events are processed again. Before that
-    patch the first pass handles the event and there is no second one.
+    How the series lets such an event fail a running try whose process heartbeated recently:
+    series v3 (``Do-not-fail-a-running-try-that-still-heartbeats-on-an-executor-event.patch``) only once the
+    try's heartbeat timed out, so the pass runs that much later; the v2 series holds the event until the try
+    heartbeats again or the hold ends (``failed_event_hold``), so where the event is still in the executor's
+    buffer after the pass, the clock is moved past the hold and the events are processed again. Before those
+    patches the first pass handles the event and there is no second one.
     """
     import time_machine
     from airflow._shared.timezones import timezone as tz
     from airflow.utils.state import TaskInstanceState
 
     executor = executor or runner.executor
+    if carries(V3_HEARTBEAT_RULE):
+        with once_its_heartbeat_timed_out():
+            return runner._process_executor_events(executor=executor, session=session)
     processed = runner._process_executor_events(executor=executor, session=session)
     if any(state == TaskInstanceState.FAILED for state, _ in executor.event_buffer.values()):
         with time_machine.travel(tz.utcnow() + failed_event_hold() + timedelta(seconds=1), tick=False):

@@ -63,7 +63,7 @@ from airflow.utils.sqlalchemy import is_lock_not_available_error, with_row_locks
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit import conftest
-from tests.unit.conftest import process_events_of_dead_process
+from tests.unit.conftest import once_its_heartbeat_timed_out, process_events_of_dead_process
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -613,7 +613,8 @@ def test_reschedule_update_during_executor_event_failure_does_not_hit_fk_error(
     api_thread.start()
     try:
         try:
-            scheduler_job_runner._process_executor_events(executor=executor, session=session)
+            with once_its_heartbeat_timed_out():  # no heartbeat of the sensor's process follows
+                scheduler_job_runner._process_executor_events(executor=executor, session=session)
             session.commit()
         except IntegrityError as e:
             session.rollback()

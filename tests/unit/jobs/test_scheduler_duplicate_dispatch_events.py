@@ -446,3 +446,99 @@ def test_held_event_of_a_try_that_then_reschedules_leaves_the_buffer_without_fai
         assert committed_state(ti) == "up_for_reschedule"
     assert callbacks_of_try(ti) == []
     assert runner.executor.event_buffer == {}
+
+
+# Series v3 (core): the scheduler-side rule of upstream PR #69336 instead of v2's hold. An event for a running
+# try whose last heartbeat is within the heartbeat timeout is dropped; the heartbeat-timeout check fails a
+# try whose process died.
+V3_PATCH = "Do-not-fail-a-running-try-that-still-heartbeats-on-an-executor-event.patch"
+
+
+@pytest.mark.proves(V3_PATCH)
+def test_event_of_a_refused_duplicate_leaves_the_heartbeating_try_running(
+    dag_maker, session, api, scheduler_job_runner
+):
+    """
+    The try is dispatched twice: the winner starts and heartbeats, the loser is refused (409) and its
+    executor reports FAILED. The event is dropped: the try stays RUNNING through later passes and
+    heartbeat-timeout scans while it heartbeats, and succeeds with no callback and no state-mismatch log.
+    """
+    runner = scheduler_job_runner
+    with time_machine.travel(T0, tick=False) as clock:
+        ti = queued_try(dag_maker, session, runner, "refused_duplicate")
+        assert start(api, ti.id, **WINNER).status_code == 200
+        clock.shift(timedelta(seconds=2))
+        assert api.heartbeat(ti.id, **WINNER) == 204
+        loser = start(api, ti.id, **LOSER)
+        assert loser.status_code == 409, loser.text
+        runner.executor.fail(ti.key)  # the loser's workload ended: its executor reports FAILED
+
+        scheduler_pass(runner)
+        assert committed_state(ti) == RUNNING, "the duplicate's FAILED event failed the healthy try"
+        assert not buffered(runner, ti)
+        for _ in range(3):
+            clock.shift(detection_interval())
+            assert api.heartbeat(ti.id, **WINNER) == 204
+            scheduler_pass(runner, purge=True)
+        assert committed_state(ti) == RUNNING
+        assert report(api, ti.id, "success") == 204
+
+    assert committed_state(ti) == SUCCESS
+    assert callbacks_of_try(ti) == []
+    assert mismatch_logs(ti) == 0
+    assert runner.executor.event_buffer == {}
+
+
+@pytest.mark.guard
+@pytest.mark.skipif(not carries(V3_PATCH), reason=f"{V3_PATCH} is not in this base's queue (run where it is)")
+def test_event_of_a_dead_process_is_left_to_the_heartbeat_timeout_check(
+    dag_maker, session, api, scheduler_job_runner
+):
+    """
+    The try's only process dies (nothing reports its state) 3 s after its last heartbeat and its executor
+    reports FAILED. The try is failed once, with one retry callback request, by the heartbeat-timeout
+    check within the heartbeat timeout plus the detection interval of that heartbeat (3.3.2 fails it in
+    the pass the event arrives; what the rule costs is printed).
+    """
+    runner = scheduler_job_runner
+    with time_machine.travel(T0, tick=False) as clock:
+        ti = queued_try(dag_maker, session, runner, "dead_process_left_to_the_check")
+        assert start(api, ti.id, **WINNER).status_code == 200
+        clock.shift(timedelta(seconds=4))
+        assert api.heartbeat(ti.id, **WINNER) == 204
+        last_heartbeat = tz.utcnow()
+        clock.shift(timedelta(seconds=3))
+        runner.executor.fail(ti.key)
+        failed_after = run_loop(runner, clock, ti, until=heartbeat_timeout() + 2 * detection_interval())
+        assert failed_after is not None, "the try whose process died was never failed"
+        delay = tz.utcnow() - last_heartbeat
+        print(
+            f"\nprocess died: failed {delay.total_seconds():.0f} s after its last heartbeat (bound: heartbeat "
+            f"timeout {heartbeat_timeout().total_seconds():.0f} s + detection interval "
+            f"{detection_interval().total_seconds():.0f} s)"
+        )
+        assert delay <= heartbeat_timeout() + detection_interval()
+        clock.shift(heartbeat_timeout() + detection_interval())
+        scheduler_pass(runner, purge=True)
+
+    assert committed_state(ti) == UP_FOR_RETRY
+    assert callbacks_of_try(ti) == [UP_FOR_RETRY]
+    assert runner.executor.event_buffer == {}
+
+
+@pytest.mark.guard
+def test_event_of_a_try_whose_heartbeat_timed_out_fails_it_at_once(
+    dag_maker, session, api, scheduler_job_runner
+):
+    """A FAILED event for a running try whose last heartbeat is older than the timeout fails it in that pass."""
+    runner = scheduler_job_runner
+    with time_machine.travel(T0, tick=False) as clock:
+        ti = queued_try(dag_maker, session, runner, "heartbeat_timed_out_event")
+        assert start(api, ti.id, **WINNER).status_code == 200
+        clock.shift(heartbeat_timeout() + timedelta(seconds=1))
+        runner.executor.fail(ti.key)
+        scheduler_pass(runner)
+
+    assert committed_state(ti) == UP_FOR_RETRY
+    assert callbacks_of_try(ti) == [UP_FOR_RETRY]
+    assert mismatch_logs(ti) == 1

@@ -50,6 +50,7 @@ from tests.unit.conftest import (
     BACKEND,
     carries,
     guard_since,
+    once_its_heartbeat_timed_out,
     process_events_of_dead_process,
     read_series,
 )
@@ -461,7 +462,8 @@ def test_one_batch_tells_stale_from_dead_per_task_instance(
     TaskWorker(execution_api, _reload(session, dead_ti)).start()
 
     _drain_late_success(runner, [_reload(session, stale_ti), _reload(session, dead_ti)])
-    _process_events(runner, session)
+    with once_its_heartbeat_timed_out():  # no heartbeat of the dead poke follows
+        _process_events(runner, session)
 
     assert _reload(session, stale_ti).state == TaskInstanceState.RUNNING
     assert _reload(session, dead_ti).state == TaskInstanceState.UP_FOR_RETRY
