@@ -349,8 +349,11 @@ def test_heartbeat_purge_rolled_back_leaves_no_callback(
     The purge raises after ``send_callback`` and before its transaction commits: no callback row survives.
 
     The error is injected in what follows the callback: ``handle_failure`` (where the purge fails the
-    TI, from the issue-3 patches on) and ``change_state``.
+    TI, from the issue-3 patches on) and ``change_state``; on series v3, which fails the try before it
+    sends the callback and tells the executor after the commit, the pass's metric of the killed try.
     """
+    import airflow.jobs.scheduler_job_runner as scheduler_module
+
     executor = scheduler_job_runner.executor
     _make_running_tis(dag_maker, session, scheduler_job_runner)
     _move_past_heartbeat_timeout(scheduler_job_runner, time_machine)
@@ -359,7 +362,16 @@ def test_heartbeat_purge_rolled_back_leaves_no_callback(
         raise RuntimeError("injected failure after send_callback")
 
     monkeypatch.setattr(executor, "change_state", failing)
-    if not conftest.V3:  # v3 fails the try before it sends the callback: change_state is what follows it
+    if conftest.V3:
+        incr = scheduler_module.stats.incr
+
+        def incr_failing_for_the_killed_try(name, *args, **kwargs):
+            if name == "task_instances_without_heartbeats_killed":
+                failing()
+            return incr(name, *args, **kwargs)
+
+        monkeypatch.setattr(scheduler_module.stats, "incr", incr_failing_for_the_killed_try)
+    else:
         monkeypatch.setattr(TaskInstance, "handle_failure", failing)
 
     with pytest.raises(RuntimeError, match="injected failure"):
