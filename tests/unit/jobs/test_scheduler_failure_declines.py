@@ -517,3 +517,49 @@ def test_concurrent_clears_of_overlapping_sets_finish(dag_maker, session, backen
     with settings.NonScopedSession() as s:
         states = s.execute(select(TI.task_id, TI.state).where(TI.dag_id == dag_id)).all()
     assert sorted(states) == [("a", None), ("b", None)]
+
+
+@pytest.mark.proves("Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch")
+@pytest.mark.parametrize("kind", [TaskInstanceState.QUEUED, RUNNING, SUCCESS, FAILED])
+def test_a_deleted_task_instance_under_any_event_kind_does_not_end_the_loop(
+    dag_maker, session, scheduler_job_runner, kind
+):
+    """
+    Issue 30, defect 2: the DAG run of the second TI of the batch is deleted after the batch read it, and
+    that TI's executor event is of any kind (QUEUED/RUNNING set ``external_executor_id``, a write of its own).
+    No step of the scheduler loop raises; within two steps the other TI is failed once with one callback,
+    nothing is written for the deleted one and no event is left. Before the executor-event patch the
+    flush of the missing row raised ``StaleDataError`` out of the step (the scheduler exits).
+    """
+    from tests.unit.ti_race import executor_events_step
+
+    runner = scheduler_job_runner
+    tis = two_failed_events(dag_maker, session, runner, f"deleted_{kind.value}")
+    victim = sorted(tis)[-1]
+    (survivor,) = set(tis) - {victim}
+    key = next(k for k in runner.executor.event_buffer if k.dag_id == victim)
+    runner.executor.event_buffer[key] = (
+        kind,
+        "external-id" if kind in (TaskInstanceState.QUEUED, RUNNING) else None,
+    )
+    deleted: list[str] = []
+
+    def delete_the_victim() -> None:
+        with settings.NonScopedSession() as s:
+            s.execute(delete(TI).where(TI.dag_id == victim))
+            s.execute(delete(DagRun).where(DagRun.dag_id == victim))
+            s.commit()
+        deleted.append(victim)
+
+    hook = mid_batch(session, delete_the_victim)
+    try:
+        for _ in range(2):
+            executor_events_step(runner)
+    finally:
+        hook.remove()
+    assert deleted == [victim], "the other write never ran in the batch"
+    assert rows(victim) == []
+    assert [(r.state, r.try_number) for r in rows(survivor)] == [(UP_FOR_RETRY, 1)]
+    assert callbacks_of(victim) == []
+    assert len(callbacks_of(survivor)) == 1
+    assert runner.executor.event_buffer == {}
