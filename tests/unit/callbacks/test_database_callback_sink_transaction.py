@@ -363,14 +363,15 @@ def test_heartbeat_purge_rolled_back_leaves_no_callback(
 
     monkeypatch.setattr(executor, "change_state", failing)
     if conftest.V3:
-        incr = scheduler_module.stats.incr
+        metrics = getattr(scheduler_module, "stats", None) or scheduler_module.Stats  # 3.2.2 and older: Stats
+        incr = metrics.incr
 
         def incr_failing_for_the_killed_try(name, *args, **kwargs):
             if name == "task_instances_without_heartbeats_killed":
                 failing()
             return incr(name, *args, **kwargs)
 
-        monkeypatch.setattr(scheduler_module.stats, "incr", incr_failing_for_the_killed_try)
+        monkeypatch.setattr(metrics, "incr", incr_failing_for_the_killed_try)
     else:
         monkeypatch.setattr(TaskInstance, "handle_failure", failing)
 
