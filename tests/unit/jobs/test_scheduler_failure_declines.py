@@ -533,16 +533,6 @@ def test_a_deleted_task_instance_under_any_event_kind_does_not_end_the_loop(
     """
     from tests.unit.ti_race import executor_events_step
 
-    if (
-        conftest.BACKEND == "mysql"
-        and conftest.BASE_VERSION in ("3.1.8", "3.2.2")
-        and kind in (TaskInstanceState.QUEUED, RUNNING)
-    ):
-        pytest.skip(
-            "open on the 3.1.8 and 3.2.2 ports (MariaDB): after the savepoint of the deleted row's event is rolled back, "
-            "reading the expired object raises ObjectDeletedError, which the step does not contain (found "
-            "2026-12-04, not fixed yet)"
-        )
     runner = scheduler_job_runner
     tis = two_failed_events(dag_maker, session, runner, f"deleted_{kind.value}")
     victim = sorted(tis)[-1]
