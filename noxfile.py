@@ -78,8 +78,9 @@ def install(session: nox.Session, backend: str) -> None:
     session.install("--no-sources", "-e", str(CORE), *PINS, *DRIVERS[backend], *TEST_DEPS)
     # PyPI's task-sdk reads core's config_templates from site-packages/airflow/, which an editable
     # install of airflow-core does not create (upstream's monorepo finds it by relative path instead).
-    purelib = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
-                          silent=True).strip()  # fmt: skip
+    # run_install: also under `nox --install-only`, which builds the venvs without running the tests.
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    purelib = session.run_install("python", "-c", code, silent=True).strip()
     link, templates = (
         Path(purelib) / "airflow" / "config_templates",
         CORE / "src" / "airflow" / "config_templates",
