@@ -63,8 +63,8 @@ def _release(version: str) -> tuple[int, ...]:
 
 # The 3.3.2 queue is series v3 (the scheduler owns its transaction); the older bases' queues are still v2. A test
 # marked with a v2 patch proves, on a v3 queue, the v3 patch that carries that change (README: "Series v3"). The v2
-# patches missing here (killed-runner callbacks, background listeners, held FAILED events, SQLite's write lock,
-# giving up on an event) are not in v3: their tests are skipped on a v3 queue.
+# patches missing here (background listeners, held FAILED events, SQLite's write lock, giving up on an event) are
+# not in v3: their tests are skipped on a v3 queue. Killed-runner callbacks are v3's operator tail patch.
 V3_PATCH_OF = {
     "Row-lock-the-heartbeat-timeout-scan.patch": "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch",
     "Revalidate-heartbeat-timeouts-under-the-row-lock.patch": "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch",
@@ -89,7 +89,6 @@ V3_PATCH_OF = {
 
 # The v2 tail patches that no queue carries since every base is on series v3: their tests skip ("not in the series").
 V2_TAIL = (
-    "Request-callbacks-for-tries-whose-task-runner-was-killed-by-a-signal.patch",
     "Call-on_task_instance_failed-listeners-in-a-background-thread.patch",
     "Hold-a-failed-executor-event-until-the-running-try-s-heartbeat-decides.patch",
     "Read-a-failing-task-instance-under-SQLite-s-write-lock.patch",
@@ -125,16 +124,16 @@ _MODULE_OF_PATCH = {
     ),
     "jobs/test_scheduler_stuck_in_queued_recheck.py": "Re-check-task-instances-stuck-in-queued-under-the-row-lock.patch",
     "jobs/test_scheduler_killed_task_runner_callback.py": (
-        "Request-callbacks-for-tries-whose-task-runner-was-killed-by-a-signal.patch"
+        "Request-the-failure-callback-of-a-last-try-whose-task-runner-was-killed.patch"
     ),
     "executors/test_local_executor_runner_exit.py": (
-        "Request-callbacks-for-tries-whose-task-runner-was-killed-by-a-signal.patch"
+        "Request-the-failure-callback-of-a-last-try-whose-task-runner-was-killed.patch"
     ),
     "jobs/test_killed_task_runner_real_supervisor.py": (
-        "Request-callbacks-for-tries-whose-task-runner-was-killed-by-a-signal.patch"
+        "Request-the-failure-callback-of-a-last-try-whose-task-runner-was-killed.patch"
     ),
     "jobs/test_task_runner_startup_failure_real_supervisor.py": (
-        "Request-callbacks-for-tries-whose-task-runner-was-killed-by-a-signal.patch"
+        "Request-the-failure-callback-of-a-last-try-whose-task-runner-was-killed.patch"
     ),
     "jobs/test_scheduler_failure_listeners_background.py": (
         "Call-on_task_instance_failed-listeners-in-a-background-thread.patch"

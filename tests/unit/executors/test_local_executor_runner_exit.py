@@ -16,7 +16,7 @@ from airflow.utils.state import TaskInstanceState
 
 from tests.unit.conftest import run_local_executor_worker, stub_task_runner_exit
 
-P_KILLED = "Request-callbacks-for-tries-whose-task-runner-was-killed-by-a-signal.patch"
+P_KILLED = "Request-the-failure-callback-of-a-last-try-whose-task-runner-was-killed.patch"
 
 
 class _Conf:

@@ -67,7 +67,7 @@ if not hasattr(_supervisor, "supervise_task") and airflow.__version__.startswith
         allow_module_level=True,
     )
 
-P_KILLED = "Request-callbacks-for-tries-whose-task-runner-was-killed-by-a-signal.patch"
+P_KILLED = "Request-the-failure-callback-of-a-last-try-whose-task-runner-was-killed.patch"
 
 QUEUED = TaskInstanceState.QUEUED
 SIGKILL_EXIT = -signal.SIGKILL

@@ -38,11 +38,11 @@ from tests.unit.api_fastapi.execution_api.versions.head.test_task_instances_unre
     report,
     running_try,
 )
-from tests.unit.conftest import duplicate_report_statuses
+from tests.unit.conftest import duplicate_report_statuses, process_events_of_dead_process
 
 pytestmark = pytest.mark.db_test
 
-P_KILLED = "Request-callbacks-for-tries-whose-task-runner-was-killed-by-a-signal.patch"
+P_KILLED = "Request-the-failure-callback-of-a-last-try-whose-task-runner-was-killed.patch"
 
 SIGKILL_EXIT = -9
 SIGTERM_EXIT = -15
@@ -59,10 +59,14 @@ def runner_exit(exit_code: int):
 
 
 def executor_event(runner, ti, state: TaskInstanceState, info) -> None:
-    """The executor's event for ``ti``'s try with ``info``, processed as the scheduler loop does."""
+    """The executor's event for ``ti``'s try with ``info``, processed as the scheduler loop does.
+
+    The try's process has ended: on series v3 the event of a try still running is handled once its
+    heartbeat timed out (``process_events_of_dead_process``).
+    """
     runner.executor.event_buffer[ti.key] = (state, info)
     with settings.NonScopedSession() as s:
-        runner._process_executor_events(executor=runner.executor, session=s)
+        process_events_of_dead_process(runner, s)
         s.commit()
 
 
@@ -253,4 +257,47 @@ def test_stuck_in_queued_then_killed_runner_one_failure_callback(dag_maker, sess
     executor_event(runner, ti, SUCCESS, runner_exit(SIGKILL_EXIT))
 
     assert committed_state(ti) == FAILED
+    assert callbacks_of_try(ti) == [FAILED]
+
+
+@pytest.mark.proves(P_KILLED)
+def test_killed_runner_event_of_a_row_another_transaction_holds_waits_for_no_lock(
+    dag_maker, session, other_session, api, scheduler_job_runner, backend
+):
+    """
+    Another transaction holds the killed try's row: the executor-event step does not wait for its lock
+    (v2's patch waited in the batch, on SQLite for the busy timeout, and gave the event up) but skips the
+    row with the batch's read and keeps the event; the next step, once the lock is gone, requests the
+    failure callback. A lock wait in the step would fail on the lock timeout set here (5 s).
+    """
+    from sqlalchemy import select, text
+
+    from airflow.models.taskinstance import TaskInstance as TI
+
+    from tests.unit.conftest import dialect_locks_rows, no_row_locks_reason
+
+    if not dialect_locks_rows(session):
+        pytest.skip(no_row_locks_reason(session))
+    runner = scheduler_job_runner
+    ti = running_try(
+        dag_maker, session, "killed_locked", retries=0, try_number=1,
+        queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
+    )  # fmt: skip
+    assert report(api, ti.id, "failed") == 204
+    runner.executor.event_buffer[ti.key] = (SUCCESS, runner_exit(SIGKILL_EXIT))
+    session.expunge_all()
+
+    other_session.execute(select(TI.id).where(TI.id == ti.id).with_for_update())
+    with settings.NonScopedSession() as s:
+        if backend == "postgres":
+            s.execute(text("SET LOCAL lock_timeout = '5s'"))
+        else:
+            s.execute(text("SET SESSION innodb_lock_wait_timeout = 5"))
+        runner._process_executor_events(executor=runner.executor, session=s)
+        s.commit()
+    assert list(runner.executor.event_buffer) == [ti.key]
+    assert callbacks_of_try(ti) == []
+
+    other_session.rollback()
+    executor_event(runner, ti, SUCCESS, runner_exit(SIGKILL_EXIT))
     assert callbacks_of_try(ti) == [FAILED]
