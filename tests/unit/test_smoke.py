@@ -16,13 +16,13 @@ from airflow.utils.state import TaskInstanceState
 from sqlalchemy import func, select
 
 from tests.unit.conftest import (
-    BACKEND,
     DEFAULT_DATE,
     dialect_locks_rows,
     no_row_locks_reason,
     schema_revisions,
     server_version,
 )
+from tests.unit.harness.env import BACKEND
 
 pytestmark = [pytest.mark.db_test, pytest.mark.guard]
 

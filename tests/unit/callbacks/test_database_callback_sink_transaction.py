@@ -63,6 +63,7 @@ from airflow.utils.sqlalchemy import is_lock_not_available_error, with_row_locks
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit import conftest
+from tests.unit.harness import env
 from tests.unit.conftest import once_its_heartbeat_timed_out, process_events_of_dead_process
 
 if TYPE_CHECKING:
@@ -478,7 +479,7 @@ def test_send_callback_with_session_joins_the_callers_transaction(
 # Compatibility: executors overriding send_callback(self, request)
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.skipif(
-    conftest.V3 and conftest.BACKEND == "sqlite",
+    conftest.V3 and env.BACKEND == "sqlite",
     reason="series v3 makes a legacy executor's send after the failure is written; called without a callback_sink (as here, not by the scheduler loop) it runs while the caller holds SQLite's write lock and waits for it",
 )
 @pytest.mark.db_test

@@ -34,6 +34,7 @@ from airflow.models.db_callback_request import DbCallbackRequest
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit import conftest
+from tests.unit.harness import env
 from tests.unit.jobs.test_scheduler_failure_declines import AfterStatement
 from tests.unit.ti_race import ExecutionApi, Worker, make_running_tis, read_rows
 
@@ -78,7 +79,7 @@ class WorkerFailsOtherTiOnFirstCommit:
         if conftest.V3:
             # Series v3 commits nothing before the batch ends: the worker reports right after the batch's
             # read, which locks no row where with_row_locks takes none (SQLite, MariaDB).
-            if conftest.BACKEND == "postgres":
+            if env.BACKEND == "postgres":
                 pytest.skip("series v3: the batch's locked read holds its rows until the batch commits")
             self.hook = AfterStatement(
                 r"^\s*SELECT\b.*\bFROM task_instance\b", lambda: self._after_commit(session)

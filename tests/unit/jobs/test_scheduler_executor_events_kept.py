@@ -24,13 +24,9 @@ from airflow.models.taskinstance import TaskInstance
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit import conftest
-from tests.unit.conftest import (
-    BACKEND,
-    HAS_CALLBACK_EVENTS,
-    callback_key_of,
-    callback_key_uuid,
-    metrics_of,
-)
+from tests.unit.harness import env
+from tests.unit.conftest import HAS_CALLBACK_EVENTS, callback_key_of, callback_key_uuid, metrics_of
+from tests.unit.harness.env import BACKEND
 from tests.unit.ti_race import (
     Worker,
     executor_events_step,
@@ -682,7 +678,7 @@ def test_accounting_over_one_batch_with_injected_faults(
 
 
 @pytest.mark.skipif(
-    conftest.V3 and conftest.BACKEND == "sqlite",
+    conftest.V3 and env.BACKEND == "sqlite",
     reason="series v3 puts back the events of a rolled-back batch in the scheduler loop's own transaction (_process_events_of_executors), not in _process_executor_events",
 )
 @pytest.mark.proves(P_KEEP)

@@ -38,6 +38,7 @@ from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit import conftest
+from tests.unit.harness import env
 from tests.unit.jobs import test_scheduler_heartbeat_timeout as heartbeat_tests
 from tests.unit.jobs.test_scheduler_heartbeat_timeout import (
     EMAIL_KWARGS,
@@ -147,7 +148,7 @@ def mid_batch(session, action):
     """
     if not conftest.V3:
         return OnFirstCommit(session, action)
-    if conftest.BACKEND == "postgres":
+    if env.BACKEND == "postgres":
         pytest.skip("series v3: the batch's locked read holds its rows until the batch commits (no window)")
     return AfterStatement(r"^\s*SELECT\b.*\bFROM task_instance\b", action)
 
@@ -301,7 +302,7 @@ def test_executor_event_set_state_does_not_commit_the_batch(dag_maker, session, 
 # The heartbeat-timeout purge
 # ---------------------------------------------------------------------------------------------
 def skip_where_the_scan_locks(session) -> None:
-    if conftest.BACKEND != "sqlite":
+    if env.BACKEND != "sqlite":
         pytest.skip(
             "revalidation's FOR UPDATE SKIP LOCKED (a real lock on MariaDB too, not with_row_locks) "
             "holds the row until the purge commits: another writer waits, there is no window "
@@ -369,7 +370,7 @@ def heartbeat_logs(dag_id: str) -> int:
 
 
 @pytest.mark.skipif(
-    conftest.V3 and conftest.BACKEND == "sqlite",
+    conftest.V3 and env.BACKEND == "sqlite",
     reason="series v3 has no SQLite write-lock patch: on SQLite the window between failure handling's re-read and its write stays open (README, known limitations)",
 )
 @pytest.mark.proves(PATCH)
@@ -406,7 +407,7 @@ def test_heartbeat_purge_writes_nothing_for_a_try_that_succeeded_after_revalidat
 
 
 @pytest.mark.skipif(
-    conftest.V3 and conftest.BACKEND == "sqlite",
+    conftest.V3 and env.BACKEND == "sqlite",
     reason="series v3 has no SQLite write-lock patch: on SQLite the window between failure handling's re-read and its write stays open (README, known limitations)",
 )
 @pytest.mark.proves(PATCH)
@@ -534,7 +535,7 @@ def test_a_deleted_task_instance_under_any_event_kind_does_not_end_the_loop(
     from tests.unit.ti_race import executor_events_step
 
     if (
-        conftest.BACKEND == "mysql"
+        env.BACKEND == "mysql"
         and conftest.BASE_VERSION in ("3.1.8", "3.2.2")
         and kind in (TaskInstanceState.QUEUED, RUNNING)
     ):

@@ -31,6 +31,7 @@ from airflow.models.taskinstance import TaskInstance as TI
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
 from tests.unit import conftest  # the harness: dialect_locks_rows, make_engine, server_version, ...
+from tests.unit.harness import env
 
 pytestmark = pytest.mark.db_test
 
@@ -304,7 +305,7 @@ def test_worker_success_committed_between_scan_and_failure_is_kept(
     """
     if conftest.dialect_locks_rows(session):
         pytest.skip(
-            f"with_row_locks row-locks the TI on {conftest.BACKEND}: a worker cannot "
+            f"with_row_locks row-locks the TI on {env.BACKEND}: a worker cannot "
             "commit between the scan and the failure (see the lock-wait test)"
         )
     runner = scheduler_job_runner

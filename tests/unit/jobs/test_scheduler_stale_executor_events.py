@@ -47,13 +47,13 @@ from airflow.triggers.base import TriggerEvent
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit.conftest import (
-    BACKEND,
     carries,
     guard_since,
     once_its_heartbeat_timed_out,
     process_events_of_dead_process,
     read_series,
 )
+from tests.unit.harness.env import BACKEND
 
 PATCH = "Ignore-stale-executor-events-from-an-earlier-process-of-the-live-try.patch"
 P_PURGE = "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch"
