@@ -32,7 +32,7 @@ def test_airflow_is_imported_from_generated_tree():
 
     path = Path(airflow.__file__).resolve()
     print(f"airflow {airflow.__version__} imported from {path}")
-    from tests.unit.conftest import BASE_VERSION, CORE_DIR
+    from tests.unit.harness.series import BASE_VERSION, CORE_DIR
 
     assert path.is_relative_to(CORE_DIR / "src" / "airflow")  # airflow-core/ or airflow-core-<version>/
     assert airflow.__version__ == BASE_VERSION

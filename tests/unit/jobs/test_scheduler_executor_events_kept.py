@@ -23,8 +23,7 @@ from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit import conftest
-from tests.unit.harness import env
+from tests.unit.harness import env, series
 from tests.unit.conftest import HAS_CALLBACK_EVENTS, callback_key_of, callback_key_uuid, metrics_of
 from tests.unit.harness.env import BACKEND
 from tests.unit.ti_race import (
@@ -477,7 +476,7 @@ def deadlock_the_scheduler(other_session, callback_key: CallbackKey) -> None:
 
 
 # Series v3 takes no savepoint before its executor-event patch: postgres is vulnerable there too.
-@pytest.mark.proves(P_KEEP, base_ok_on=() if conftest.V3 else ("postgres",))
+@pytest.mark.proves(P_KEEP, base_ok_on=() if series.V3 else ("postgres",))
 def test_deadlock_that_ends_the_whole_transaction_puts_back_every_event_of_it(
     dag_maker, session, other_session, scheduler_job_runner, backend
 ):
@@ -512,7 +511,7 @@ def test_deadlock_that_ends_the_whole_transaction_puts_back_every_event_of_it(
 
     def one_pass():
         try:
-            if conftest.V3:  # the scheduler loop's own transaction puts back what a failed one took
+            if series.V3:  # the scheduler loop's own transaction puts back what a failed one took
                 executor_events_step(runner)
                 return
             s = settings.Session()
@@ -578,7 +577,7 @@ def second_executor(runner):
 @pytest.mark.proves(P_KEEP)
 # Series v3 commits the loop's executor events once: its 1st COMMIT is the batch's own (no failure handling
 # commits mid-batch); the v2 queues commit each failure handling, then the batch.
-@pytest.mark.parametrize("killed_commit", [1] if conftest.V3 else [1, 2, 4])
+@pytest.mark.parametrize("killed_commit", [1] if series.V3 else [1, 2, 4])
 def test_accounting_over_one_batch_with_injected_faults(
     dag_maker, session, other_session, scheduler_job_runner, backend, killed_commit
 ):
@@ -678,7 +677,7 @@ def test_accounting_over_one_batch_with_injected_faults(
 
 
 @pytest.mark.skipif(
-    conftest.V3 and env.BACKEND == "sqlite",
+    series.V3 and env.BACKEND == "sqlite",
     reason="series v3 puts back the events of a rolled-back batch in the scheduler loop's own transaction (_process_events_of_executors), not in _process_executor_events",
 )
 @pytest.mark.proves(P_KEEP)
@@ -833,7 +832,7 @@ def test_given_up_event_stays_dropped_when_its_transaction_rolls_back(
 @pytest.mark.proves(P_KEEP)
 @pytest.mark.backend("postgres", "mysql")
 @pytest.mark.skipif(
-    conftest.V3,
+    series.V3,
     reason="series v3 commits nothing before the batch ends, so no other transaction can lock a batch row "
     "mid-batch on PostgreSQL / MySQL 8 (rows held before the batch's read: "
     "test_events_of_rows_skipped_by_skip_locked_are_kept); with_row_locks takes no lock on MariaDB / SQLite",

@@ -37,8 +37,7 @@ from airflow.models.taskinstance import TaskInstance as TI, clear_task_instances
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit import conftest
-from tests.unit.harness import env
+from tests.unit.harness import env, series
 from tests.unit.jobs import test_scheduler_heartbeat_timeout as heartbeat_tests
 from tests.unit.jobs.test_scheduler_heartbeat_timeout import (
     EMAIL_KWARGS,
@@ -146,7 +145,7 @@ def mid_batch(session, action):
     locks no row (with_row_locks takes none on SQLite and MariaDB); on PostgreSQL the rows stay locked
     until the batch commits, so no other writer gets in and there is nothing to test.
     """
-    if not conftest.V3:
+    if not series.V3:
         return OnFirstCommit(session, action)
     if env.BACKEND == "postgres":
         pytest.skip("series v3: the batch's locked read holds its rows until the batch commits (no window)")
@@ -257,7 +256,7 @@ class CommitCounter:
 
 # Series v3: the batch's set_state gets the session in the executor-event patch.
 @pytest.mark.proves(
-    "Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch" if conftest.V3 else PATCH
+    "Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch" if series.V3 else PATCH
 )
 @pytest.mark.parametrize("case", ["restarting_success", "dag_not_found"])
 def test_executor_event_set_state_does_not_commit_the_batch(dag_maker, session, scheduler_job_runner, case):
@@ -370,7 +369,7 @@ def heartbeat_logs(dag_id: str) -> int:
 
 
 @pytest.mark.skipif(
-    conftest.V3 and env.BACKEND == "sqlite",
+    series.V3 and env.BACKEND == "sqlite",
     reason="series v3 has no SQLite write-lock patch: on SQLite the window between failure handling's re-read and its write stays open (README, known limitations)",
 )
 @pytest.mark.proves(PATCH)
@@ -407,7 +406,7 @@ def test_heartbeat_purge_writes_nothing_for_a_try_that_succeeded_after_revalidat
 
 
 @pytest.mark.skipif(
-    conftest.V3 and env.BACKEND == "sqlite",
+    series.V3 and env.BACKEND == "sqlite",
     reason="series v3 has no SQLite write-lock patch: on SQLite the window between failure handling's re-read and its write stays open (README, known limitations)",
 )
 @pytest.mark.proves(PATCH)
@@ -455,7 +454,7 @@ def test_heartbeat_purge_rolls_back_when_failure_handling_declines(
 # ---------------------------------------------------------------------------------------------
 # Concurrent clears of overlapping sets
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.proves("Lock-task-instance-rows-before-clearing-them.patch" if conftest.V3 else PATCH)
+@pytest.mark.proves("Lock-task-instance-rows-before-clearing-them.patch" if series.V3 else PATCH)
 @pytest.mark.backend("postgres", "mysql")
 def test_concurrent_clears_of_overlapping_sets_finish(dag_maker, session, backend):
     """
@@ -536,7 +535,7 @@ def test_a_deleted_task_instance_under_any_event_kind_does_not_end_the_loop(
 
     if (
         env.BACKEND == "mysql"
-        and conftest.BASE_VERSION in ("3.1.8", "3.2.2")
+        and series.BASE_VERSION in ("3.1.8", "3.2.2")
         and kind in (TaskInstanceState.QUEUED, RUNNING)
     ):
         pytest.skip(

@@ -30,7 +30,7 @@ from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance
 from airflow.models.trigger import Trigger
 from airflow.utils.state import TaskInstanceState
-from tests.unit import conftest
+from tests.unit.harness import series
 from tests.unit.jobs.test_scheduler_heartbeat_timeout import lock_wait_timeout
 from tests.unit.jobs.test_scheduler_stale_executor_events import _make_deferrable, _queue, _reload, _schedule
 from tests.unit.ti_race import WAIT, lock_waiters, wait_until
@@ -284,7 +284,7 @@ def test_worker_start_after_the_recheck_waits_and_finds_the_try_rescheduled(
 
 
 @pytest.mark.skipif(
-    not conftest.V3,
+    not series.V3,
     reason="the v2 queues' re-check keeps the row lock of a task instance its executor cannot revoke until "
     "the pass commits (series v3 only)",
 )

@@ -41,7 +41,7 @@ from airflow.models.taskinstance import TaskInstance, clear_task_instances
 from airflow.utils.session import create_session
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit import conftest
+from tests.unit.harness import series
 from tests.unit.ti_race import (
     WAIT,
     Pause,
@@ -114,7 +114,8 @@ def pauses():
 
 def skip_where_v3_takes_no_row_lock(session) -> None:
     """Series v3 locks the row with ``with_row_locks``, which emits no lock on MariaDB: say so, do not hide it."""
-    from tests.unit.conftest import V3, dialect_locks_rows
+    from tests.unit.conftest import dialect_locks_rows
+    from tests.unit.harness.series import V3
 
     if V3 and not dialect_locks_rows(session):
         pytest.skip(
@@ -280,7 +281,7 @@ def test_failure_handling_takes_row_lock_first(dag_maker, session, listener_mana
 
 
 @pytest.mark.skipif(
-    conftest.V3,
+    series.V3,
     reason="series v3 has no SQLite write-lock patch: on SQLite the window between failure handling's re-read and its write stays open (README, known limitations)",
 )
 @pytest.mark.proves(P3)
@@ -313,7 +314,7 @@ def test_sqlite_reschedule_while_failure_listener_runs(dag_maker, session, liste
     assert assert_consistent(read_rows(*_key(ti)), old_id, api_call.result) == "failure won"
 
 
-@pytest.mark.proves("Lock-task-instance-rows-before-clearing-them.patch" if conftest.V3 else P2)
+@pytest.mark.proves("Lock-task-instance-rows-before-clearing-them.patch" if series.V3 else P2)
 @pytest.mark.backend("postgres", "mysql")
 def test_clearing_running_sensor_while_reschedule_in_flight(dag_maker, session, api, pauses):
     """
@@ -586,7 +587,7 @@ def test_failure_listener_loads_through_a_session_of_its_own(dag_maker, session,
 
 
 @pytest.mark.skipif(
-    conftest.V3,
+    series.V3,
     reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
 )
 @pytest.mark.proves(P3)
@@ -618,7 +619,7 @@ def test_v2_failure_listener_runs_after_commit(dag_maker, session, listener_mana
 
 
 @pytest.mark.skipif(
-    conftest.V3,
+    series.V3,
     reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
 )
 @pytest.mark.proves(P3)
@@ -643,7 +644,7 @@ def test_failure_listener_follows_callers_transaction(dag_maker, session, listen
 
 
 @pytest.mark.skipif(
-    conftest.V3,
+    series.V3,
     reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
 )
 @pytest.mark.backend(
@@ -653,7 +654,7 @@ def test_failure_listener_follows_callers_transaction(dag_maker, session, listen
     "so the outer rollback cannot undo the failure (the scheduler takes no savepoint on SQLite)",
 )
 @pytest.mark.skipif(
-    conftest.V3,
+    series.V3,
     reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
 )
 @pytest.mark.proves(P3)
@@ -683,7 +684,7 @@ def test_failure_listener_in_released_savepoint_follows_outer_transaction(
 
 
 @pytest.mark.skipif(
-    conftest.V3,
+    series.V3,
     reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
 )
 @pytest.mark.proves(P3)
@@ -709,7 +710,7 @@ def test_failure_listener_dropped_when_transaction_is_closed(dag_maker, session,
 
 
 @pytest.mark.skipif(
-    conftest.V3,
+    series.V3,
     reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
 )
 @pytest.mark.proves(P3)
