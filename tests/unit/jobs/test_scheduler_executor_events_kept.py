@@ -305,7 +305,7 @@ def test_events_of_rows_skipped_by_skip_locked_are_kept(
     LOCKED`` read leaves it out. Its event stays in the buffer (upstream #55004) and is applied on
     the next pass, once the lock is gone; the other event is applied at once.
     """
-    from tests.unit.conftest import dialect_locks_rows, no_row_locks_reason
+    from tests.unit.harness.db import dialect_locks_rows, no_row_locks_reason
 
     if not dialect_locks_rows(session):
         pytest.skip(no_row_locks_reason(session))
@@ -598,7 +598,7 @@ def test_accounting_over_one_batch_with_injected_faults(
     last failure handling's commit, made no COMMIT of its own, and the 4th COMMIT of the pass was the
     deadline check's, outside the executor events: the scheduler loop raised.
     """
-    from tests.unit.conftest import dialect_locks_rows
+    from tests.unit.harness.db import dialect_locks_rows
 
     if backend == "sqlite":
         pytest.skip("sqlite: a server session that another connection can end does not exist there")

@@ -114,7 +114,7 @@ def pauses():
 
 def skip_where_v3_takes_no_row_lock(session) -> None:
     """Series v3 locks the row with ``with_row_locks``, which emits no lock on MariaDB: say so, do not hide it."""
-    from tests.unit.conftest import dialect_locks_rows
+    from tests.unit.harness.db import dialect_locks_rows
     from tests.unit.harness.series import V3
 
     if V3 and not dialect_locks_rows(session):
@@ -487,7 +487,7 @@ def test_executor_event_while_failure_listener_runs(
 # ---------------------------------------------------------------------------------------------
 def _row_lock_free(key) -> bool:
     """Whether another connection can lock the TI row (or, on SQLite, the database) without waiting."""
-    from tests.unit.conftest import make_engine
+    from tests.unit.harness.db import make_engine
 
     dag_id, task_id, run_id, map_index = key
     engine = make_engine()
