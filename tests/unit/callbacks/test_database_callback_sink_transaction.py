@@ -63,7 +63,7 @@ from airflow.utils.sqlalchemy import is_lock_not_available_error, with_row_locks
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit.harness import env, series
-from tests.unit.conftest import once_its_heartbeat_timed_out, process_events_of_dead_process
+from tests.unit.harness.scheduler import once_its_heartbeat_timed_out, process_events_of_dead_process
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session

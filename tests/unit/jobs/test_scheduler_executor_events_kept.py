@@ -561,7 +561,7 @@ def second_executor(runner):
     from airflow.callbacks.database_callback_sink import DatabaseCallbackSink
     from airflow.executors.executor_utils import ExecutorName
 
-    from tests.unit.conftest import RecordingExecutor
+    from tests.unit.harness.scheduler import RecordingExecutor
 
     executor = RecordingExecutor()
     executor.name = ExecutorName(

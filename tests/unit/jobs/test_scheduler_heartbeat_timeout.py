@@ -30,8 +30,7 @@ from airflow.models.db_callback_request import DbCallbackRequest
 from airflow.models.taskinstance import TaskInstance as TI
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
-from tests.unit import conftest  # the harness: dialect_locks_rows, make_engine, server_version, ...
-from tests.unit.harness import env, db
+from tests.unit.harness import env, db, scheduler
 
 pytestmark = pytest.mark.db_test
 
@@ -559,7 +558,7 @@ def test_fail_fast_stops_remaining_tasks_like_executor_event_path(
 
     runner.executor.change_state(ev_key, FAILED, remove_running=True)  # the worker died: executor event
     with settings.NonScopedSession() as s:
-        conftest.process_events_of_dead_process(runner, s)  # no heartbeat of t1 follows
+        scheduler.process_events_of_dead_process(runner, s)  # no heartbeat of t1 follows
         s.commit()
     by_event_states = {t: committed_state(by_event, t) for t in ("t1", "t2", "t3")}
 

@@ -46,7 +46,7 @@ from airflow.providers.standard.sensors.time_delta import TimeDeltaSensor
 from airflow.triggers.base import TriggerEvent
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit.conftest import once_its_heartbeat_timed_out, process_events_of_dead_process
+from tests.unit.harness.scheduler import once_its_heartbeat_timed_out, process_events_of_dead_process
 from tests.unit.harness.series import carries, guard_since, read_series
 from tests.unit.harness.env import BACKEND
 
