@@ -15,9 +15,9 @@ from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
 from sqlalchemy import func, select
 
-from tests.unit.harness.dags import DEFAULT_DATE
-from tests.unit.harness.db import dialect_locks_rows, no_row_locks_reason, schema_revisions, server_version
 from tests.unit.harness.env import BACKEND
+from tests.unit.harness.db import dialect_locks_rows, no_row_locks_reason, schema_revisions, server_version
+from tests.unit.harness.dags import DEFAULT_DATE
 
 pytestmark = [pytest.mark.db_test, pytest.mark.guard]
 

@@ -23,9 +23,9 @@ from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit.harness import env, series
-from tests.unit.conftest import HAS_CALLBACK_EVENTS, callback_key_of, callback_key_uuid, metrics_of
+from tests.unit.harness import series
 from tests.unit.harness.env import BACKEND
+from tests.unit.harness.compat import HAS_CALLBACK_EVENTS, callback_key_of, callback_key_uuid, metrics_of
 from tests.unit.ti_race import (
     Worker,
     executor_events_step,
@@ -677,7 +677,7 @@ def test_accounting_over_one_batch_with_injected_faults(
 
 
 @pytest.mark.skipif(
-    series.V3 and env.BACKEND == "sqlite",
+    series.V3 and BACKEND == "sqlite",
     reason="series v3 puts back the events of a rolled-back batch in the scheduler loop's own transaction (_process_events_of_executors), not in _process_executor_events",
 )
 @pytest.mark.proves(P_KEEP)

@@ -30,7 +30,7 @@ from airflow.models.db_callback_request import DbCallbackRequest
 from airflow.models.taskinstance import TaskInstance as TI
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
-from tests.unit.harness import env, db, scheduler
+from tests.unit.harness import db, env, scheduler
 
 pytestmark = pytest.mark.db_test
 

@@ -38,7 +38,7 @@ from tests.unit.api_fastapi.execution_api.versions.head.test_task_instances_unre
     report,
     running_try,
 )
-from tests.unit.conftest import duplicate_report_statuses
+from tests.unit.harness.compat import duplicate_report_statuses
 
 pytestmark = pytest.mark.db_test
 

@@ -114,8 +114,8 @@ def pauses():
 
 def skip_where_v3_takes_no_row_lock(session) -> None:
     """Series v3 locks the row with ``with_row_locks``, which emits no lock on MariaDB: say so, do not hide it."""
-    from tests.unit.harness.db import dialect_locks_rows
     from tests.unit.harness.series import V3
+    from tests.unit.harness.db import dialect_locks_rows
 
     if V3 and not dialect_locks_rows(session):
         pytest.skip(
