@@ -2,10 +2,10 @@
 """
 Shared helpers of the benchmark worker (``worker.py``): environment, DAG/run factories, SQL counters.
 
-The pieces that mirror the test harness are small copies of ``tests/unit/conftest.py``
-(``make_engine``, ``clear_db``, ``RecordingExecutor``, ``DagMaker.sync_to_db``/``create_dagrun``, the
-``scheduler_job_runner`` fixture): importing that module would pull in pytest and its collection
-hooks, and benchmarks are not tests. Keep them in step with the conftest if it changes.
+The pieces that mirror the test harness are small copies of ``tests/unit/harness/`` (``make_engine``,
+``clear_db``, ``RecordingExecutor``, ``DagMaker.sync_to_db``/``create_dagrun``, the ``scheduler_job_runner``
+fixture): importing those modules would pull in pytest and the unit-test environment (``harness/env.py``),
+and benchmarks are not tests. Keep them in step with the harness if it changes.
 
 :func:`setup_env` must run before anything imports airflow (airflow reads its config at import).
 """
@@ -27,7 +27,7 @@ BUNDLE = "bench"
 
 
 def setup_env() -> Path:
-    """Set the Airflow environment (like the conftest, without unit-test mode); return AIRFLOW_HOME."""
+    """Set the Airflow environment (like the harness's env.py, no unit-test mode); return AIRFLOW_HOME."""
     if not os.environ.get("AIRFLOW_HOME"):
         os.environ["AIRFLOW_HOME"] = tempfile.mkdtemp(prefix="airflow-bench-home-")
     home = Path(os.environ["AIRFLOW_HOME"])
@@ -51,7 +51,7 @@ def setup_env() -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# Database (copies of tests/unit/conftest.py helpers)
+# Database (copies of tests/unit/harness/db.py helpers)
 # ---------------------------------------------------------------------------------------------
 def make_engine():
     """A new, independent Engine on the same DSN, built like ``airflow.settings.configure_orm``."""
@@ -368,7 +368,7 @@ class StatementRecorder:
 
 
 # ---------------------------------------------------------------------------------------------
-# Scheduler runner with a recording executor (copy of the conftest fixture)
+# Scheduler runner with a recording executor (copy of the tests/unit/harness/scheduler.py fixture)
 # ---------------------------------------------------------------------------------------------
 def recording_executor_class():
     from airflow.executors.base_executor import BaseExecutor

@@ -14,9 +14,10 @@ Export patches of the series as what upstream pull requests need.
   import the tests): the closest ``proves`` marker, however the module spells the patch name (literal,
   module constant, ``pytestmark`` list, ``pytest.param(..., marks=...)``). A module keeps the tests (and
   parametrize cases) proving the patch, loses ``proves``/``guard`` markers, ``skipif`` markers on the
-  conftest's ``carries()`` (the export holds the patches its tests need) and what only other tests used.
-  Project-only names it uses (fixtures of the project's conftest that upstream's ``tests_common`` does
-  not provide, helpers imported from the project's modules) are copied into it, with what they use, so
+  harness's ``carries()`` (the export holds the patches its tests need) and what only other tests used.
+  Project-only names it uses (fixtures of the project's harness, ``tests/unit/harness/`` registered by its
+  conftest, that upstream's ``tests_common`` does not provide; helpers imported from the project's
+  modules) are copied into it from the module that defines them, with what they use, so
   that it runs in upstream's harness; what cannot be copied is reported (``project-only names left``),
   so is a definition computing a path from its own ``__file__`` (it would name another place once copied).
 * No newsfragment of its own: a patch that carries one (``airflow-core/newsfragments/``) exports it.
@@ -63,8 +64,9 @@ UPSTREAM_FIXTURES = {
     "create_task_of_operator", "run_task", "mock_xcom_backend", "secret_key", "clean_executor_loader",
 }  # fmt: skip
 PROJECT_MARKERS = ("proves", "guard")
-# The conftest's multi-base helpers: whether the base's queue carries a patch. An export always holds the
-# patches its tests need (as dependencies), so a ``skipif`` on them is dropped, not inlined.
+# The harness's multi-base helpers (tests/unit/harness/series.py): whether the base's queue carries a patch.
+# An export always holds the patches its tests need (as dependencies), so a ``skipif`` on them is dropped,
+# not inlined.
 PROJECT_CONDITIONS = {"carries"}
 MARK = ".series-export"  # in every export folder: only a folder holding it is ever replaced
 
@@ -269,7 +271,7 @@ def for_upstream(source: str, patch: str, items: list[dict]) -> tuple[str, bool]
 
 
 # --------------------------------------------------------------------------------------------------
-# Project-only names: inlined from where the project defines them (its conftest, helper modules,
+# Project-only names: inlined from where the project defines them (its harness modules, helper modules,
 # sibling test modules), so that the exported module stands alone in upstream's harness.
 # --------------------------------------------------------------------------------------------------
 def project_module(root: Path, module: str | None, level: int = 0) -> Path | None:
@@ -445,7 +447,7 @@ class Inliner:
                                 imports.append(line)
                 return
             if name in UPSTREAM_FIXTURES and isinstance(node, ast.FunctionDef):
-                return  # upstream's tests_common provides it (the project's conftest mirrors it)
+                return  # upstream's tests_common provides it (the project's harness mirrors it)
             if name in taken:
                 same = name in own and ast.dump(own[name]) == ast.dump(node)
                 if taken[name] == "own" and not same:
@@ -551,7 +553,7 @@ class Inliner:
             text = "".join(lines[:last_import]) + block + "\n" + "".join(lines[last_import:at])
         if defs:
             text += (
-                "\n\n# Inlined from the patch series' harness (defined in its conftest / helper modules).\n"
+                "\n\n# Inlined from the patch series' harness (defined in its harness / helper modules).\n"
             )
             text += "\n\n".join(d.rstrip("\n") + "\n" for d in defs)
         text += "\n\n" + "".join(lines[at:])
@@ -676,7 +678,7 @@ def find_tests(root: Path, patch: str, items: list[dict]) -> dict[str, tuple[str
         text = prune(text)
         module = ast.parse(text)
         # What prune dropped (a helper only a dropped marker used, e.g. ``proves(_applied_last(...))``, and
-        # what it alone pulled in from the conftest) is neither inlined nor a name left.
+        # what it alone pulled in from the harness) is neither inlined nor a name left.
         referenced = {n.id for n in ast.walk(module) if isinstance(n, ast.Name)}
         left = [name for name in left if name.split(" ", 1)[0] in referenced]
         bound = top_level(module)

@@ -652,3 +652,74 @@ def test_a_fixture_importing_a_helper_in_its_body_is_inlined_with_the_helper(tmp
     namespace: dict = {}
     exec(compile(text, "exported", "exec"), namespace)  # the export's module runs as written
     assert namespace["api"].__wrapped__().ping() == "pong"
+
+
+# --- issue 31 item 4: the harness by concern (tests/unit/harness/), its fixtures registered by the conftest ---
+HARNESS_DB = """import pytest
+
+ENGINE_NAME = "engine"
+
+
+def make_engine():
+    return ENGINE_NAME
+
+
+@pytest.fixture
+def other_session():
+    return make_engine()
+"""
+HARNESS_CONFTEST = """# The fixtures, registered here for every test under tests/unit.
+from tests.unit.harness.db import other_session  # noqa: F401
+"""
+HARNESS_TESTS = f"""from __future__ import annotations
+
+import pytest
+
+from tests.unit.harness import db
+
+
+@pytest.mark.proves("{FIRST}")
+def test_uses_the_harness(other_session, session):
+    assert db.make_engine() == other_session
+"""
+
+
+@pytest.fixture
+def harness_layout(project: Path):
+    unit = project / "tests" / "unit"
+    (unit / "harness").mkdir(parents=True, exist_ok=True)
+    files = {
+        project / "tests" / "__init__.py": "",
+        unit / "__init__.py": "",
+        unit / "callbacks" / "__init__.py": "",
+        unit / "harness" / "__init__.py": "",
+        unit / "harness" / "db.py": HARNESS_DB,
+        unit / "conftest.py": HARNESS_CONFTEST,
+        unit / "callbacks" / "test_harness_layout.py": HARNESS_TESTS,
+    }
+    for path, text in files.items():
+        path.write_text(text)
+    yield project
+    for path in files:
+        path.unlink()
+    (unit / "harness").rmdir()
+
+
+def test_a_fixture_of_a_harness_module_registered_by_the_conftest_is_inlined(harness_layout: Path):
+    """A fixture defined in a harness module and registered in the conftest by importing it (the project's
+    layout since the conftest was split by concern) is inlined from the module that defines it, and so is
+    a helper the test reaches through ``from tests.unit.harness import db`` (``db.make_engine()``)."""
+    out = export(harness_layout, FIRST)
+    text = (out / "airflow-core/tests/unit/callbacks/test_harness_layout.py").read_text()
+    assert "tests.unit" not in text and "db.make_engine" not in text
+    for inlined in (
+        "def other_session(",
+        "def make_engine(",
+        'ENGINE_NAME = "engine"',
+        "assert make_engine() ==",
+    ):
+        assert inlined in text, inlined
+    compile(text, "test_harness_layout.py", "exec")
+    pr = (out / "PR.md").read_text()
+    assert "other_session (from tests/unit/harness/db.py)" in pr
+    assert "project-only names left: none" in pr

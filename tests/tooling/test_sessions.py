@@ -86,7 +86,8 @@ def test_database_holding_airflow_data_is_refused_and_the_password_never_printed
 
 
 def test_pytest_run_directly_refuses_a_database_holding_airflow_data(given):
-    """The suite's own guard (tests/unit/conftest.py), for pytest run without nox on the operator's DSN."""
+    """The suite's own guard (``_initialize_db``, tests/unit/harness/db.py), for pytest run without nox on the
+    operator's DSN."""
     dsn, engine, _ = given
     python = ROOT / ".nox" / "tests-postgres" / "bin" / "python"
     env = {k: v for k, v in os.environ.items() if k not in ("DB_RESET", "VIRTUAL_ENV", "AIRFLOW_HOME")}

@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "ci"))
 import verify_series  # noqa: E402
 
-# The same junit properties tests/unit/conftest.py attaches to a test marked proves(...).
+# The same junit properties tests/unit/harness/series.py attaches to a test marked proves(...).
 CONFTEST = """
 import pytest
 
@@ -77,7 +77,8 @@ def test_failures_after_the_patch_are_wrong(tmp_path: Path):
 
 
 # One pytest run per tree state (verify()): step j's tests (patch j's and the guards), then, last, the
-# tests of patch j + 1 (--proves-last, which tests/unit/conftest.py orders last; this conftest does the same).
+# tests of patch j + 1 (--proves-last, which tests/unit/harness/series.py orders last; this conftest does the
+# same).
 MERGED_CONFTEST = """
 import pytest
 

@@ -15,14 +15,9 @@ from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
 from sqlalchemy import func, select
 
-from tests.unit.conftest import (
-    BACKEND,
-    DEFAULT_DATE,
-    dialect_locks_rows,
-    no_row_locks_reason,
-    schema_revisions,
-    server_version,
-)
+from tests.unit.harness.env import BACKEND
+from tests.unit.harness.db import dialect_locks_rows, no_row_locks_reason, schema_revisions, server_version
+from tests.unit.harness.dags import DEFAULT_DATE
 
 pytestmark = [pytest.mark.db_test, pytest.mark.guard]
 
@@ -32,7 +27,7 @@ def test_airflow_is_imported_from_generated_tree():
 
     path = Path(airflow.__file__).resolve()
     print(f"airflow {airflow.__version__} imported from {path}")
-    from tests.unit.conftest import BASE_VERSION, CORE_DIR
+    from tests.unit.harness.series import BASE_VERSION, CORE_DIR
 
     assert path.is_relative_to(CORE_DIR / "src" / "airflow")  # airflow-core/ or airflow-core-<version>/
     assert airflow.__version__ == BASE_VERSION

@@ -62,8 +62,8 @@ from airflow.models.taskreschedule import TaskReschedule
 from airflow.utils.sqlalchemy import is_lock_not_available_error, with_row_locks
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit import conftest
-from tests.unit.conftest import once_its_heartbeat_timed_out, process_events_of_dead_process
+from tests.unit.harness import env, series
+from tests.unit.harness.scheduler import once_its_heartbeat_timed_out, process_events_of_dead_process
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -362,7 +362,7 @@ def test_heartbeat_purge_rolled_back_leaves_no_callback(
         raise RuntimeError("injected failure after send_callback")
 
     monkeypatch.setattr(executor, "change_state", failing)
-    if conftest.V3:
+    if series.V3:
         metrics = getattr(scheduler_module, "stats", None) or scheduler_module.Stats  # 3.2.2 and older: Stats
         incr = metrics.incr
 
@@ -478,7 +478,7 @@ def test_send_callback_with_session_joins_the_callers_transaction(
 # Compatibility: executors overriding send_callback(self, request)
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.skipif(
-    conftest.V3 and conftest.BACKEND == "sqlite",
+    series.V3 and env.BACKEND == "sqlite",
     reason="series v3 makes a legacy executor's send after the failure is written; called without a callback_sink (as here, not by the scheduler loop) it runs while the caller holds SQLite's write lock and waits for it",
 )
 @pytest.mark.db_test

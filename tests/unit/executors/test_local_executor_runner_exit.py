@@ -14,7 +14,7 @@ from airflow.executors.workloads import ExecuteTask
 from airflow.models.taskinstancekey import TaskInstanceKey
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit.conftest import run_local_executor_worker, stub_task_runner_exit
+from tests.unit.harness.compat import run_local_executor_worker, stub_task_runner_exit
 
 P_KILLED = "Request-the-failure-callback-of-a-last-try-whose-task-runner-was-killed.patch"
 

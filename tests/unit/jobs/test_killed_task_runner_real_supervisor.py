@@ -52,7 +52,7 @@ from tests.unit.api_fastapi.execution_api.versions.head.test_task_instances_unre
     committed_state,
     running_try,
 )
-from tests.unit.conftest import retry_report_fields, supervise_in_process
+from tests.unit.harness.compat import retry_report_fields, supervise_in_process
 from tests.unit.jobs.test_scheduler_killed_task_runner_callback import executor_event, runner_exit
 from tests.unit.ti_race import ExecutionApi
 
@@ -63,7 +63,7 @@ if not hasattr(_supervisor, "supervise_task") and airflow.__version__.startswith
     pytest.skip(
         "this task-sdk has no supervise_task() (task-sdk 1.2.x, the 3.2.2 base's); the module drives a real "
         "supervisor through it (task-sdk 1.3.x, 3.3.2) or through supervise(client=...) (task-sdk 1.1.x, "
-        "3.1.8: conftest.supervise_in_process); not run against task-sdk 1.2.x's supervise()",
+        "3.1.8: compat.supervise_in_process); not run against task-sdk 1.2.x's supervise()",
         allow_module_level=True,
     )
 

@@ -26,7 +26,7 @@ from airflow.models.taskinstance import TaskInstance as TI
 from airflow.utils.session import create_session
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit import conftest
+from tests.unit.harness import series
 from tests.unit.jobs.test_scheduler_failure_declines import callbacks_of, rows, two_failed_events
 from tests.unit.jobs.test_scheduler_survives_failure_handling import ForeignKeyViolationOnce
 from tests.unit.ti_race import executor_events_step, make_running_tis
@@ -55,9 +55,7 @@ class SessionOpeningListener:
 
 # Series v3: the calls come after the scheduler loop's own commit (the executor-event patch).
 @pytest.mark.proves(
-    "Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch"
-    if conftest.V3
-    else P_LISTENERS
+    "Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch" if series.V3 else P_LISTENERS
 )
 def test_failure_listener_gets_its_own_session(dag_maker, session, scheduler_job_runner, listener_manager):
     """

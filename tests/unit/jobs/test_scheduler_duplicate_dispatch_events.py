@@ -47,7 +47,9 @@ from tests.unit.api_fastapi.execution_api.versions.head.test_task_instances_unre
     committed_state,
     report,
 )
-from tests.unit.conftest import carries, dialect_locks_rows, failed_event_hold
+from tests.unit.harness.series import carries
+from tests.unit.harness.db import dialect_locks_rows
+from tests.unit.harness.scheduler import failed_event_hold
 from tests.unit.ti_race import ExecutionApi
 
 pytestmark = pytest.mark.db_test

@@ -16,7 +16,7 @@ from sqlalchemy import text
 from airflow import settings
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit import conftest
+from tests.unit.harness import env
 from tests.unit.jobs.test_scheduler_executor_events_kept import committed_ti
 from tests.unit.ti_race import executor_events_step, make_running_tis
 
@@ -29,7 +29,7 @@ PATCH = "Keep-executor-events-until-the-scheduler-s-transaction-commits-them.pat
 def reject_updates_with_a_data_error(task_id: str):
     """A trigger that rejects every UPDATE of one task instance with a data error (PostgreSQL / MySQL)."""
     with settings.engine.begin() as conn:
-        if conftest.BACKEND == "postgres":
+        if env.BACKEND == "postgres":
             conn.execute(
                 text(
                     "CREATE OR REPLACE FUNCTION test_data_error() RETURNS trigger AS $$ BEGIN RAISE EXCEPTION "
@@ -54,9 +54,9 @@ def reject_updates_with_a_data_error(task_id: str):
         yield
     finally:
         with settings.engine.begin() as conn:
-            on = " ON task_instance" if conftest.BACKEND == "postgres" else ""
+            on = " ON task_instance" if env.BACKEND == "postgres" else ""
             conn.execute(text(f"DROP TRIGGER IF EXISTS test_data_error{on}"))
-            if conftest.BACKEND == "postgres":
+            if env.BACKEND == "postgres":
                 conn.execute(text("DROP FUNCTION IF EXISTS test_data_error()"))
 
 

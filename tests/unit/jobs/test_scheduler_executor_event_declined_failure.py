@@ -33,7 +33,7 @@ from airflow.callbacks.callback_requests import EmailRequest, TaskCallbackReques
 from airflow.models.db_callback_request import DbCallbackRequest
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit import conftest
+from tests.unit.harness import env, series
 from tests.unit.jobs.test_scheduler_failure_declines import EVENTS_PATCH, AfterStatement
 from tests.unit.ti_race import ExecutionApi, Worker, make_running_tis, read_rows
 
@@ -75,10 +75,10 @@ class WorkerFailsOtherTiOnFirstCommit:
         self.failed_first: str | None = None
         self.api_status: int | None = None
         self.other: str | None = None
-        if conftest.V3:
+        if series.V3:
             # Series v3 commits nothing before the batch ends: the worker reports right after the batch's
             # read, which locks no row where with_row_locks takes none (SQLite, MariaDB).
-            if conftest.BACKEND == "postgres":
+            if env.BACKEND == "postgres":
                 pytest.skip("series v3: the batch's locked read holds its rows until the batch commits")
             self.hook = AfterStatement(
                 r"^\s*SELECT\b.*\bFROM task_instance\b", lambda: self._after_commit(session)

@@ -23,14 +23,9 @@ from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit import conftest
-from tests.unit.conftest import (
-    BACKEND,
-    HAS_CALLBACK_EVENTS,
-    callback_key_of,
-    callback_key_uuid,
-    metrics_of,
-)
+from tests.unit.harness import series
+from tests.unit.harness.env import BACKEND
+from tests.unit.harness.compat import HAS_CALLBACK_EVENTS, callback_key_of, callback_key_uuid, metrics_of
 from tests.unit.ti_race import (
     Worker,
     executor_events_step,
@@ -310,7 +305,7 @@ def test_events_of_rows_skipped_by_skip_locked_are_kept(
     LOCKED`` read leaves it out. Its event stays in the buffer (upstream #55004) and is applied on
     the next pass, once the lock is gone; the other event is applied at once.
     """
-    from tests.unit.conftest import dialect_locks_rows, no_row_locks_reason
+    from tests.unit.harness.db import dialect_locks_rows, no_row_locks_reason
 
     if not dialect_locks_rows(session):
         pytest.skip(no_row_locks_reason(session))
@@ -481,7 +476,7 @@ def deadlock_the_scheduler(other_session, callback_key: CallbackKey) -> None:
 
 
 # Series v3 takes no savepoint before its executor-event patch: postgres is vulnerable there too.
-@pytest.mark.proves(P_KEEP, base_ok_on=() if conftest.V3 else ("postgres",))
+@pytest.mark.proves(P_KEEP, base_ok_on=() if series.V3 else ("postgres",))
 def test_deadlock_that_ends_the_whole_transaction_puts_back_every_event_of_it(
     dag_maker, session, other_session, scheduler_job_runner, backend
 ):
@@ -516,7 +511,7 @@ def test_deadlock_that_ends_the_whole_transaction_puts_back_every_event_of_it(
 
     def one_pass():
         try:
-            if conftest.V3:  # the scheduler loop's own transaction puts back what a failed one took
+            if series.V3:  # the scheduler loop's own transaction puts back what a failed one took
                 executor_events_step(runner)
                 return
             s = settings.Session()
@@ -566,7 +561,7 @@ def second_executor(runner):
     from airflow.callbacks.database_callback_sink import DatabaseCallbackSink
     from airflow.executors.executor_utils import ExecutorName
 
-    from tests.unit.conftest import RecordingExecutor
+    from tests.unit.harness.scheduler import RecordingExecutor
 
     executor = RecordingExecutor()
     executor.name = ExecutorName(
@@ -582,7 +577,7 @@ def second_executor(runner):
 @pytest.mark.proves(P_KEEP)
 # Series v3 commits the loop's executor events once: its 1st COMMIT is the batch's own (no failure handling
 # commits mid-batch); the v2 queues commit each failure handling, then the batch.
-@pytest.mark.parametrize("killed_commit", [1] if conftest.V3 else [1, 2, 4])
+@pytest.mark.parametrize("killed_commit", [1] if series.V3 else [1, 2, 4])
 def test_accounting_over_one_batch_with_injected_faults(
     dag_maker, session, other_session, scheduler_job_runner, backend, killed_commit
 ):
@@ -603,7 +598,7 @@ def test_accounting_over_one_batch_with_injected_faults(
     last failure handling's commit, made no COMMIT of its own, and the 4th COMMIT of the pass was the
     deadline check's, outside the executor events: the scheduler loop raised.
     """
-    from tests.unit.conftest import dialect_locks_rows
+    from tests.unit.harness.db import dialect_locks_rows
 
     if backend == "sqlite":
         pytest.skip("sqlite: a server session that another connection can end does not exist there")
@@ -682,7 +677,7 @@ def test_accounting_over_one_batch_with_injected_faults(
 
 
 @pytest.mark.skipif(
-    conftest.V3 and conftest.BACKEND == "sqlite",
+    series.V3 and BACKEND == "sqlite",
     reason="series v3 puts back the events of a rolled-back batch in the scheduler loop's own transaction (_process_events_of_executors), not in _process_executor_events",
 )
 @pytest.mark.proves(P_KEEP)
@@ -837,7 +832,7 @@ def test_given_up_event_stays_dropped_when_its_transaction_rolls_back(
 @pytest.mark.proves(P_KEEP)
 @pytest.mark.backend("postgres", "mysql")
 @pytest.mark.skipif(
-    conftest.V3,
+    series.V3,
     reason="series v3 commits nothing before the batch ends, so no other transaction can lock a batch row "
     "mid-batch on PostgreSQL / MySQL 8 (rows held before the batch's read: "
     "test_events_of_rows_skipped_by_skip_locked_are_kept); with_row_locks takes no lock on MariaDB / SQLite",

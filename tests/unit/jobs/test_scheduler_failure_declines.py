@@ -37,7 +37,7 @@ from airflow.models.taskinstance import TaskInstance as TI, clear_task_instances
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit import conftest
+from tests.unit.harness import env, series
 from tests.unit.jobs import test_scheduler_heartbeat_timeout as heartbeat_tests
 from tests.unit.jobs.test_scheduler_heartbeat_timeout import (
     EMAIL_KWARGS,
@@ -56,7 +56,7 @@ PATCH = "Serialise-TI-failure-handling-with-the-execution-API-via-the-row-lock.p
 # (one transaction for the step, a savepoint per event) is what makes the batch tests pass (verify-series, 2026-12-05).
 EVENTS_PATCH = (
     PATCH
-    if conftest.BACKEND == "postgres" or not conftest.V3
+    if env.BACKEND == "postgres" or not series.V3
     else "Keep-executor-events-until-their-effects-are-committed.patch"
 )
 
@@ -152,9 +152,9 @@ def mid_batch(session, action):
     locks no row (with_row_locks takes none on SQLite and MariaDB); on PostgreSQL the rows stay locked
     until the batch commits, so no other writer gets in and there is nothing to test.
     """
-    if not conftest.V3:
+    if not series.V3:
         return OnFirstCommit(session, action)
-    if conftest.BACKEND == "postgres":
+    if env.BACKEND == "postgres":
         pytest.skip("series v3: the batch's locked read holds its rows until the batch commits (no window)")
     return AfterStatement(r"^\s*SELECT\b.*\bFROM task_instance\b", action)
 
@@ -263,7 +263,7 @@ class CommitCounter:
 
 # Series v3: the batch's set_state gets the session in the executor-event patch.
 @pytest.mark.proves(
-    "Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch" if conftest.V3 else PATCH
+    "Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch" if series.V3 else PATCH
 )
 @pytest.mark.parametrize("case", ["restarting_success", "dag_not_found"])
 def test_executor_event_set_state_does_not_commit_the_batch(dag_maker, session, scheduler_job_runner, case):
@@ -308,7 +308,7 @@ def test_executor_event_set_state_does_not_commit_the_batch(dag_maker, session, 
 # The heartbeat-timeout purge
 # ---------------------------------------------------------------------------------------------
 def skip_where_the_scan_locks(session) -> None:
-    if conftest.BACKEND != "sqlite":
+    if env.BACKEND != "sqlite":
         pytest.skip(
             "revalidation's FOR UPDATE SKIP LOCKED (a real lock on MariaDB too, not with_row_locks) "
             "holds the row until the purge commits: another writer waits, there is no window "
@@ -336,7 +336,7 @@ def _sqlite_write_lock_at(where: str) -> bool:
 
 
 # SQLite only (skip_where_the_scan_locks): on v3 the purge patch brings the re-read that declines the row.
-@pytest.mark.proves("Fail-heartbeat-timed-out-tries-in-the-same-pass.patch" if conftest.V3 else PATCH)
+@pytest.mark.proves("Fail-heartbeat-timed-out-tries-in-the-same-pass.patch" if series.V3 else PATCH)
 def test_heartbeat_purge_skips_task_instance_deleted_after_revalidation(
     dag_maker, session, scheduler_job_runner, clock, timed_out_ti
 ):
@@ -377,7 +377,7 @@ def heartbeat_logs(dag_id: str) -> int:
 
 
 @pytest.mark.skipif(
-    conftest.V3 and conftest.BACKEND == "sqlite",
+    series.V3 and env.BACKEND == "sqlite",
     reason="series v3 has no SQLite write-lock patch: on SQLite the window between failure handling's re-read and its write stays open (README, known limitations)",
 )
 @pytest.mark.proves(PATCH)
@@ -414,7 +414,7 @@ def test_heartbeat_purge_writes_nothing_for_a_try_that_succeeded_after_revalidat
 
 
 @pytest.mark.skipif(
-    conftest.V3 and conftest.BACKEND == "sqlite",
+    series.V3 and env.BACKEND == "sqlite",
     reason="series v3 has no SQLite write-lock patch: on SQLite the window between failure handling's re-read and its write stays open (README, known limitations)",
 )
 @pytest.mark.proves(PATCH)
@@ -462,7 +462,7 @@ def test_heartbeat_purge_rolls_back_when_failure_handling_declines(
 # ---------------------------------------------------------------------------------------------
 # Concurrent clears of overlapping sets
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.proves("Lock-task-instance-rows-before-clearing-them.patch" if conftest.V3 else PATCH)
+@pytest.mark.proves("Lock-task-instance-rows-before-clearing-them.patch" if series.V3 else PATCH)
 @pytest.mark.backend("postgres", "mysql")
 def test_concurrent_clears_of_overlapping_sets_finish(dag_maker, session, backend):
     """

@@ -45,7 +45,7 @@ pytestmark = pytest.mark.db_test
 
 @pytest.fixture
 def execution_api(api) -> Iterator[httpx.Client]:
-    """A client of the run's execution API app (conftest's ``api``)."""
+    """A client of the run's execution API app (the harness's ``api``)."""
     with httpx.Client(transport=api._transport, base_url="http://in-process.invalid/") as client:
         yield client
 

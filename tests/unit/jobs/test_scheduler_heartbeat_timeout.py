@@ -30,7 +30,7 @@ from airflow.models.db_callback_request import DbCallbackRequest
 from airflow.models.taskinstance import TaskInstance as TI
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
-from tests.unit import conftest  # the harness: dialect_locks_rows, make_engine, server_version, ...
+from tests.unit.harness import db, env, scheduler
 
 pytestmark = pytest.mark.db_test
 
@@ -181,8 +181,8 @@ def failed_keys(runner) -> list:
 
 
 def skip_unless_row_locks(session) -> None:
-    if not conftest.dialect_locks_rows(session):
-        pytest.skip(conftest.no_row_locks_reason(session))
+    if not db.dialect_locks_rows(session):
+        pytest.skip(db.no_row_locks_reason(session))
 
 
 def lock_wait_timeout(conn_session, seconds: int) -> None:
@@ -302,9 +302,9 @@ def test_worker_success_committed_between_scan_and_failure_is_kept(
     scan read. Where the scan row-locks the TI the worker cannot commit in that window; that
     case is ``test_worker_state_update_waits_for_purge_and_finds_ti_failed``.
     """
-    if conftest.dialect_locks_rows(session):
+    if db.dialect_locks_rows(session):
         pytest.skip(
-            f"with_row_locks row-locks the TI on {conftest.BACKEND}: a worker cannot "
+            f"with_row_locks row-locks the TI on {env.BACKEND}: a worker cannot "
             "commit between the scan and the failure (see the lock-wait test)"
         )
     runner = scheduler_job_runner
@@ -558,7 +558,7 @@ def test_fail_fast_stops_remaining_tasks_like_executor_event_path(
 
     runner.executor.change_state(ev_key, FAILED, remove_running=True)  # the worker died: executor event
     with settings.NonScopedSession() as s:
-        conftest.process_events_of_dead_process(runner, s)  # no heartbeat of t1 follows
+        scheduler.process_events_of_dead_process(runner, s)  # no heartbeat of t1 follows
         s.commit()
     by_event_states = {t: committed_state(by_event, t) for t in ("t1", "t2", "t3")}
 
@@ -637,12 +637,12 @@ def test_worker_state_update_waits_for_purge_and_finds_ti_failed(
 
     thread = threading.Thread(target=worker, name="worker-state-update")
     scan = runner._find_task_instances_without_heartbeats
-    observer_engine = conftest.make_engine()
+    observer_engine = db.make_engine()
 
     def scan_then_worker_blocks(*, session):
         tis = scan(session=session)
         thread.start()
-        with conftest.make_session_factory(observer_engine)() as observer:
+        with db.make_session_factory(observer_engine)() as observer:
             wait_until_blocked_on_lock(observer, worker_conn, worker_done)
         return tis
 

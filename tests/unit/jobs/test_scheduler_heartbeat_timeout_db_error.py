@@ -32,7 +32,7 @@ from airflow.models.taskinstance import TaskInstance
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit import conftest
+from tests.unit.harness import env, series
 from tests.unit.jobs.test_scheduler_survives_failure_handling import ForeignKeyViolationOnce
 
 pytestmark = pytest.mark.db_test
@@ -41,13 +41,13 @@ T0 = datetime(2026, 3, 2, 12, 0, 0, tzinfo=timezone.utc)
 
 
 @pytest.mark.skipif(
-    conftest.V3 and conftest.BACKEND == "sqlite",
+    series.V3 and env.BACKEND == "sqlite",
     reason="series v3 takes no savepoint on SQLite (pysqlite's SAVEPOINT pins a read snapshot): a database error rolls back the whole pass, which the next pass repeats",
 )
 # Series v3: the purge contains a database error per task instance from the executor-event patch on.
 @(
     pytest.mark.proves("Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch")
-    if conftest.V3
+    if series.V3
     else pytest.mark.guard
 )
 def test_purge_survives_db_error_of_one_ti(dag_maker, session, scheduler_job_runner):

@@ -38,7 +38,8 @@ from tests.unit.api_fastapi.execution_api.versions.head.test_task_instances_unre
     report,
     running_try,
 )
-from tests.unit.conftest import duplicate_report_statuses, process_events_of_dead_process
+from tests.unit.harness.compat import duplicate_report_statuses
+from tests.unit.harness.scheduler import process_events_of_dead_process
 
 pytestmark = pytest.mark.db_test
 
@@ -274,7 +275,7 @@ def test_killed_runner_event_of_a_row_another_transaction_holds_waits_for_no_loc
 
     from airflow.models.taskinstance import TaskInstance as TI
 
-    from tests.unit.conftest import dialect_locks_rows, no_row_locks_reason
+    from tests.unit.harness.db import dialect_locks_rows, no_row_locks_reason
 
     if not dialect_locks_rows(session):
         pytest.skip(no_row_locks_reason(session))

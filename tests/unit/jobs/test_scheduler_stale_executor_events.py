@@ -46,14 +46,9 @@ from airflow.providers.standard.sensors.time_delta import TimeDeltaSensor
 from airflow.triggers.base import TriggerEvent
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit.conftest import (
-    BACKEND,
-    carries,
-    guard_since,
-    once_its_heartbeat_timed_out,
-    process_events_of_dead_process,
-    read_series,
-)
+from tests.unit.harness.env import BACKEND
+from tests.unit.harness.series import carries, guard_since, read_series
+from tests.unit.harness.scheduler import once_its_heartbeat_timed_out, process_events_of_dead_process
 
 PATCH = "Ignore-stale-executor-events-from-an-earlier-process-of-the-live-try.patch"
 P_PURGE = "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch"
@@ -80,7 +75,7 @@ def _never(**_):  # pragma: no cover
 # --------------------------------------------------------------------------------------------
 @pytest.fixture
 def execution_api(api) -> Iterator[httpx.Client]:
-    """A client of the run's execution API app (conftest's ``api``)."""
+    """A client of the run's execution API app (the harness's ``api``)."""
     with httpx.Client(transport=api._transport, base_url="http://in-process.invalid/") as client:
         yield client
 

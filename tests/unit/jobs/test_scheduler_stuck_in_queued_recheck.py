@@ -30,7 +30,7 @@ from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance
 from airflow.models.trigger import Trigger
 from airflow.utils.state import TaskInstanceState
-from tests.unit import conftest
+from tests.unit.harness import series
 from tests.unit.jobs.test_scheduler_heartbeat_timeout import lock_wait_timeout
 from tests.unit.jobs.test_scheduler_stale_executor_events import _make_deferrable, _queue, _reload, _schedule
 from tests.unit.ti_race import WAIT, lock_waiters, wait_until
@@ -233,7 +233,7 @@ def test_worker_start_after_the_recheck_waits_and_finds_the_try_rescheduled(
     waiting for the row lock (or has finished: 3.3.2 takes no lock, so the worker starts the
     try and the handler then resets it to scheduled: a duplicate run).
     """
-    from tests.unit.conftest import dialect_locks_rows, no_row_locks_reason
+    from tests.unit.harness.db import dialect_locks_rows, no_row_locks_reason
 
     if not dialect_locks_rows(session):  # the re-check locks the row with with_row_locks
         pytest.skip(no_row_locks_reason(session))
@@ -284,7 +284,7 @@ def test_worker_start_after_the_recheck_waits_and_finds_the_try_rescheduled(
 
 
 @pytest.mark.skipif(
-    not conftest.V3,
+    not series.V3,
     reason="the v2 queues' re-check keeps the row lock of a task instance its executor cannot revoke until "
     "the pass commits (series v3 only)",
 )
@@ -295,7 +295,7 @@ def test_row_lock_is_released_when_the_executor_cannot_revoke(
 ):
     """An executor without revoke_task (NotImplementedError): the re-check's row lock is not kept."""
     from tests.unit.callbacks.test_database_callback_sink_transaction import _row_locked
-    from tests.unit.conftest import dialect_locks_rows, no_row_locks_reason
+    from tests.unit.harness.db import dialect_locks_rows, no_row_locks_reason
 
     if not dialect_locks_rows(session):
         pytest.skip(no_row_locks_reason(session))

@@ -27,7 +27,7 @@ from airflow.listeners import hookimpl
 from airflow.models.taskreschedule import TaskReschedule
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit import conftest
+from tests.unit.harness import env, series
 from tests.unit.ti_race import make_running_tis, read_rows
 
 P4 = "Keep-the-scheduler-running-when-one-executor-event-fails-in-the-DB.patch"
@@ -88,7 +88,7 @@ class ForeignKeyViolationOnce:
 
 
 @pytest.mark.skipif(
-    conftest.V3 and conftest.BACKEND == "sqlite",
+    series.V3 and env.BACKEND == "sqlite",
     reason="series v3 takes no savepoint on SQLite: a database error rolls back the scheduler loop's whole executor-event transaction, whose events are put back (test_failed_commit_puts_back_every_event_and_the_scheduler_goes_on)",
 )
 @pytest.mark.proves(P4)

@@ -41,7 +41,7 @@ from airflow.models.taskinstance import TaskInstance, clear_task_instances
 from airflow.utils.session import create_session
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit import conftest
+from tests.unit.harness import env, series
 from tests.unit.ti_race import (
     WAIT,
     Pause,
@@ -114,7 +114,8 @@ def pauses():
 
 def skip_where_v3_takes_no_row_lock(session) -> None:
     """Series v3 locks the row with ``with_row_locks``, which emits no lock on MariaDB: say so, do not hide it."""
-    from tests.unit.conftest import V3, dialect_locks_rows
+    from tests.unit.harness.series import V3
+    from tests.unit.harness.db import dialect_locks_rows
 
     if V3 and not dialect_locks_rows(session):
         pytest.skip(
@@ -280,7 +281,7 @@ def test_failure_handling_takes_row_lock_first(dag_maker, session, listener_mana
 
 
 @pytest.mark.skipif(
-    conftest.V3,
+    series.V3,
     reason="series v3 has no SQLite write-lock patch: on SQLite the window between failure handling's re-read and its write stays open (README, known limitations)",
 )
 @pytest.mark.proves(P3)
@@ -313,7 +314,7 @@ def test_sqlite_reschedule_while_failure_listener_runs(dag_maker, session, liste
     assert assert_consistent(read_rows(*_key(ti)), old_id, api_call.result) == "failure won"
 
 
-@pytest.mark.proves("Lock-task-instance-rows-before-clearing-them.patch" if conftest.V3 else P2)
+@pytest.mark.proves("Lock-task-instance-rows-before-clearing-them.patch" if series.V3 else P2)
 @pytest.mark.backend("postgres", "mysql")
 def test_clearing_running_sensor_while_reschedule_in_flight(dag_maker, session, api, pauses):
     """
@@ -411,7 +412,7 @@ def _running_ti_with_failed_event(dag_maker, session, runner, dag_id):
 # On SQLite and MariaDB (no row lock in v3) failure handling in the caller's transaction is what makes it pass.
 @pytest.mark.proves(
     P2
-    if conftest.BACKEND == "postgres" or not conftest.V3
+    if env.BACKEND == "postgres" or not series.V3
     else "Fail-a-task-instance-in-the-caller-s-transaction.patch",
     base_ok_on=("postgres",),
 )
@@ -455,7 +456,7 @@ def test_executor_event_while_reschedule_commits(
 # On MariaDB (no row lock in v3) the executor-event patch is what makes it pass.
 @pytest.mark.proves(
     P1
-    if conftest.BACKEND == "postgres" or not conftest.V3
+    if env.BACKEND == "postgres" or not series.V3
     else "Keep-executor-events-until-their-effects-are-committed.patch",
     base_ok_on=("postgres",),
 )
@@ -498,7 +499,7 @@ def test_executor_event_while_failure_listener_runs(
 # ---------------------------------------------------------------------------------------------
 def _row_lock_free(key) -> bool:
     """Whether another connection can lock the TI row (or, on SQLite, the database) without waiting."""
-    from tests.unit.conftest import make_engine
+    from tests.unit.harness.db import make_engine
 
     dag_id, task_id, run_id, map_index = key
     engine = make_engine()
@@ -598,7 +599,7 @@ def test_failure_listener_loads_through_a_session_of_its_own(dag_maker, session,
 
 
 @pytest.mark.skipif(
-    conftest.V3,
+    series.V3,
     reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
 )
 @pytest.mark.proves(P3)
@@ -630,7 +631,7 @@ def test_v2_failure_listener_runs_after_commit(dag_maker, session, listener_mana
 
 
 @pytest.mark.skipif(
-    conftest.V3,
+    series.V3,
     reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
 )
 @pytest.mark.proves(P3)
@@ -655,7 +656,7 @@ def test_failure_listener_follows_callers_transaction(dag_maker, session, listen
 
 
 @pytest.mark.skipif(
-    conftest.V3,
+    series.V3,
     reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
 )
 @pytest.mark.backend(
@@ -665,7 +666,7 @@ def test_failure_listener_follows_callers_transaction(dag_maker, session, listen
     "so the outer rollback cannot undo the failure (the scheduler takes no savepoint on SQLite)",
 )
 @pytest.mark.skipif(
-    conftest.V3,
+    series.V3,
     reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
 )
 @pytest.mark.proves(P3)
@@ -695,7 +696,7 @@ def test_failure_listener_in_released_savepoint_follows_outer_transaction(
 
 
 @pytest.mark.skipif(
-    conftest.V3,
+    series.V3,
     reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
 )
 @pytest.mark.proves(P3)
@@ -721,7 +722,7 @@ def test_failure_listener_dropped_when_transaction_is_closed(dag_maker, session,
 
 
 @pytest.mark.skipif(
-    conftest.V3,
+    series.V3,
     reason="v2 queues: listeners deferred by session hooks in model code; series v3 hands them to the caller (callback_sink)",
 )
 @pytest.mark.proves(P3)

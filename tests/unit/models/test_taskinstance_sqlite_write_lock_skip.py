@@ -34,7 +34,7 @@ except ImportError:  # a tree before patch 19 (verify-series' earlier steps): no
         allow_module_level=True,
     )
 
-from tests.unit import conftest
+from tests.unit.harness import series
 from tests.unit.jobs import test_scheduler_heartbeat_timeout as heartbeat_tests
 from tests.unit.jobs.test_scheduler_heartbeat_timeout import on_failure, purge
 from tests.unit.jobs.test_scheduler_stuck_in_queued_recheck import (
@@ -160,7 +160,7 @@ def test_stuck_in_queued_leaves_a_still_queued_try_alone_on_a_busy_database(
 
 
 @pytest.mark.skipif(
-    conftest._release(conftest.BASE_VERSION) < (3, 2),
+    series._release(series.BASE_VERSION) < (3, 2),
     reason="3.1.8: the purge takes the write lock without skip_locked (waits the busy timeout; README, per base)",
 )
 def test_purge_neither_waits_nor_writes_on_a_busy_database(
@@ -227,7 +227,7 @@ def test_only_a_busy_database_is_reported_as_held(session):
 
 
 @pytest.mark.skipif(
-    conftest._release(conftest.BASE_VERSION) < (3, 2),
+    series._release(series.BASE_VERSION) < (3, 2),
     reason="3.1.8: the executor-event path takes the write lock without skip_locked (README, per base)",
 )
 def test_executor_event_path_neither_waits_nor_writes_on_a_busy_database(

@@ -45,7 +45,7 @@ from airflow.models.taskinstance import TaskInstance as TI
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit.conftest import process_events_of_dead_process
+from tests.unit.harness.scheduler import process_events_of_dead_process
 from tests.unit.ti_race import ExecutionApi
 
 pytestmark = pytest.mark.db_test
