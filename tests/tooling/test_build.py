@@ -129,7 +129,7 @@ def test_an_unknown_base_is_refused(project: Path, tmp_path: Path):
 
 
 def test_no_network_to_the_package_index_is_one_line_and_leaves_the_tree_alone(project: Path, tmp_path: Path):
-    closed = "http://127.0.0.1:9/simple"  # nothing listens on port 9 (discard); hatchling comes from the index
+    closed = "http://127.0.0.1:9/simple"  # nothing listens on port 9 (discard); hatchling is fetched from it
     git_dir = project / "airflow-core" / ".git"
     before = (git_dir.stat().st_mtime_ns, (git_dir / "index").read_bytes())
     proc = run(project, "--dist", str(tmp_path / "dist"), UV_DEFAULT_INDEX=closed, UV_INDEX_URL=closed)
