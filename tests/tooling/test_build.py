@@ -137,5 +137,5 @@ def test_no_network_to_the_package_index_is_one_line_and_leaves_the_tree_alone(p
     assert "`uv build` failed: Failed to fetch: http://127.0.0.1:9/simple/" in error
     assert error.endswith("Connection refused (os error 111)")
     assert not (tmp_path / "dist").exists()
-    # the check of airflow-core/ neither rewrote its index nor took its lock (a user's git would fail on it)
+    # the check of airflow-core/ neither rewrote its index nor took its index.lock
     assert (git_dir.stat().st_mtime_ns, (git_dir / "index").read_bytes()) == before
