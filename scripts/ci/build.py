@@ -69,7 +69,9 @@ def tree_problem(root: Path, n: int) -> str | None:
         return f"{name} was not made by scripts/ci/tree.py (no .git/{tree.STAMP}): move it away"
     if why := tree.in_progress(core):
         return why
-    changed = tree.git(core, "status", "--porcelain", "--untracked-files=no").stdout.split("\n")
+    # --no-optional-locks: status does not refresh (rewrite) the tree's index, nor take its lock
+    changed = tree.git(core, "--no-optional-locks", "status", "--porcelain", "--untracked-files=no").stdout
+    changed = changed.split("\n")
     changed = [line[3:] for line in changed if line.strip()]
     if changed:
         return (
@@ -97,6 +99,14 @@ def tree_problem(root: Path, n: int) -> str | None:
             f"{name} HEAD is not the series (commits above or beside it): commit and `nox -s refresh` first"
         )
     return None
+
+
+def uv_error(stderr: str) -> str:
+    """uv's error in one line: the last cause, and the URL it failed to fetch (hatchling, from the index)."""
+    lines = [line.strip().removeprefix("cause: ") for line in stderr.splitlines() if line.strip()]
+    last = lines[-1] if lines else "(no output)"
+    fetch = next((line for line in lines if line.startswith("Failed to fetch:")), None)
+    return f"{fetch}: {last}" if fetch and fetch != last else last
 
 
 def local_version(cfg: dict[str, str], patches: list[Path], core: bool) -> str:
@@ -191,8 +201,7 @@ def build(root: Path, dist: Path, core: bool) -> list[Path]:
         proc = subprocess.run([uv, "build", "--no-config", "-q", "-o", str(out), str(src)],
                               env=env, capture_output=True, text=True)  # fmt: skip
         if proc.returncode:
-            last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise tree.TreeError(f"`uv build` failed: {last}")
+            raise tree.TreeError(f"`uv build` failed: {uv_error(proc.stderr)}")
         dist.mkdir(parents=True, exist_ok=True)
         built = []
         for f in sorted(out.glob("apache_airflow_core-*")):

@@ -78,9 +78,11 @@ def run(cmd: list[str], env: dict[str, str], step: str, timeout: float = 900) ->
     if proc.returncode:
         lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
         cause = next((line for line in reversed(lines) if re.search(r"error|Error|ERROR", line)), None)
-        raise CheckFailed(
-            f"{step}: exit {proc.returncode}: {(cause or (lines or ['no output'])[-1]).strip()}"
-        )
+        cause = (cause or (lines or ["no output"])[-1]).strip().removeprefix("cause: ")
+        fetch = next((line.strip() for line in lines if "Failed to fetch:" in line), None)  # uv, no index
+        if fetch:
+            cause = f"{fetch.removeprefix('cause: ')}: {cause}"
+        raise CheckFailed(f"{step}: exit {proc.returncode}: {cause}")
     return proc.stdout.strip()
 
 

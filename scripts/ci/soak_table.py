@@ -20,7 +20,10 @@ def rows(r: dict) -> dict[str, str]:
     restarts = r.get("worker_restarts") or []
     per_try = r.get("callbacks_per_failed_try", {})
     states = r.get("ti_states", {})
+    listener = r.get("listener_calls_per_failed_try", {})
+    dup = r.get("duplicate_dispatch") or {}
     return {
+        "verdict (exit status)": f"{r.get('verdict', '?')} ({r.get('exit_code', '?')})",
         "apache-airflow-core": r["airflow"],
         "warm-up / chaos (s)": f"{r['warmup_s']:.0f} / {r['duration_s']:.0f}",
         "load average (1 min) at start / end": f"{r['loadavg_start'].split()[0]} / {r['loadavg_end'].split()[0]}",
@@ -39,6 +42,15 @@ def rows(r: dict) -> dict[str, str]:
         "task instances (of them SUCCESS)": f"{r['task_instances']} ({states.get('success', 0)})",
         "failed tries: failure/retry callbacks 0 / 1 / more": (
             f"{r['failed_tries']}: {per_try.get('0', 0)} / {per_try.get('1', 0)} / {per_try.get('more', 0)}"
+        ),
+        "failed tries: `on_task_instance_failed` calls 0 / 1 / more": (
+            f"{listener.get('0', 0)} / {listener.get('1', 0)} / {listener.get('more', 0)}"
+        ),
+        "duplicate dispatches sent / copies refused (409) / healthy tries failed by the copy's event": (
+            f"{dup.get('sent', 0)} / {dup.get('copies_refused_by_ti_run_409', 0)} / "
+            f"{len(r.get('healthy_tries_failed_by_another_process', []))}"
+            if dup.get("enabled")
+            else "n/a"
         ),
         "tries without a try-history row": str(len(r.get("tries_without_history", []))),
         "execution API 5xx (of requests)": f"{sum(r.get('api_5xx_by_route', {}).values())} ({r['api_requests']})",

@@ -126,3 +126,16 @@ def test_an_unknown_base_is_refused(project: Path, tmp_path: Path):
     error = one_line_error(run(project, "--dist", str(tmp_path / "dist"), USE_AIRFLOW_VERSION="9.9.9"))
     assert "USE_AIRFLOW_VERSION=9.9.9 is not a supported base; supported: 3.3.2" in error
     assert not (tmp_path / "dist").exists()
+
+
+def test_no_network_to_the_package_index_is_one_line_and_leaves_the_tree_alone(project: Path, tmp_path: Path):
+    closed = "http://127.0.0.1:9/simple"  # nothing listens on port 9 (discard); hatchling is fetched from it
+    git_dir = project / "airflow-core" / ".git"
+    before = (git_dir.stat().st_mtime_ns, (git_dir / "index").read_bytes())
+    proc = run(project, "--dist", str(tmp_path / "dist"), UV_DEFAULT_INDEX=closed, UV_INDEX_URL=closed)
+    error = one_line_error(proc)
+    assert "`uv build` failed: Failed to fetch: http://127.0.0.1:9/simple/" in error
+    assert error.endswith("Connection refused (os error 111)")
+    assert not (tmp_path / "dist").exists()
+    # the check of airflow-core/ neither rewrote its index nor took its index.lock
+    assert (git_dir.stat().st_mtime_ns, (git_dir / "index").read_bytes()) == before

@@ -15,6 +15,9 @@ REPORT = {
     "scheduler_exits_outside": 0, "other_component_exits": [], "task_instances": 17,
     "ti_states": {"success": 12}, "failed_tries": 27, "callbacks_per_failed_try": {"0": 1, "1": 26, "more": 0},
     "tries_without_history": [], "api_5xx_by_route": {"/x": 2}, "api_requests": 867, "orphans_left": [],
+    "listener_calls_per_failed_try": {"0": 1, "1": 25, "more": 1}, "verdict": "PASS", "exit_code": 0,
+    "duplicate_dispatch": {"enabled": True, "sent": 5, "copies_refused_by_ti_run_409": 4},
+    "healthy_tries_failed_by_another_process": [{"ti": "x"}],
 }  # fmt: skip
 
 
@@ -31,3 +34,15 @@ def test_one_column_per_report_read_from_its_json(tmp_path: Path):
     assert "| faults: kill runner / kill supervisor / stop runner / stop supervisor / duplicate dispatch " \
            "| 14 / 0 / 0 / 0 / 5 | 14 / 0 / 0 / 0 / 5 |" in lines  # fmt: skip
     assert "| execution API 5xx (of requests) | 2 (867) | 2 (867) |" in lines
+    assert "| verdict (exit status) | PASS (0) | PASS (0) |" in lines
+    assert "| failed tries: `on_task_instance_failed` calls 0 / 1 / more | 1 / 25 / 1 | 1 / 25 / 1 |" in lines
+    assert "| duplicate dispatches sent / copies refused (409) / healthy tries failed by the copy's event " \
+           "| 5 / 4 / 1 | 5 / 4 / 1 |" in lines  # fmt: skip
+
+
+def test_duplicate_dispatch_is_n_a_where_the_soak_does_not_make_it(tmp_path: Path):
+    a = tmp_path / "celery.json"
+    a.write_text(json.dumps({**REPORT, "executor": "celery", "duplicate_dispatch": {"enabled": False}}))
+    out = subprocess.run([sys.executable, str(TABLE), str(a)], capture_output=True, text=True).stdout
+    assert "| duplicate dispatches sent / copies refused (409) / healthy tries failed by the copy's event | n/a |" \
+           in out.splitlines()  # fmt: skip
