@@ -18,7 +18,6 @@ from airflow import settings
 from airflow.executors.base_executor import BaseExecutor
 from airflow.listeners.listener import get_listener_manager
 
-from tests.unit.harness.series import carries
 
 if TYPE_CHECKING:
     from airflow.callbacks.callback_requests import CallbackRequest
@@ -160,42 +159,23 @@ def failed_event_hold() -> timedelta:
 
 def once_its_heartbeat_timed_out():
     """
-    The clock when series v3 lets an executor event fail a running try whose process died: past
-    ``[scheduler] task_instance_heartbeat_timeout`` (``V3_HEARTBEAT_RULE``); now on a queue without that patch.
+    The clock when an executor event may fail a running try whose process died: past
+    ``[scheduler] task_instance_heartbeat_timeout``, as series v3 requires (``V3_HEARTBEAT_RULE``). The same on
+    a tree without that patch, so that exported tests need no knowledge of the series.
     """
-    import contextlib
-
     import time_machine
     from airflow._shared.timezones import timezone as tz
     from airflow.configuration import conf
 
-    if not carries(V3_HEARTBEAT_RULE):
-        return contextlib.nullcontext()
     timeout = conf.getint("scheduler", "task_instance_heartbeat_timeout")
     return time_machine.travel(tz.utcnow() + timedelta(seconds=timeout + 1), tick=False)
 
 
 def process_events_of_dead_process(runner: SchedulerJobRunner, session: Session, executor=None) -> int:
     """
-    ``runner._process_executor_events`` for events of a try whose process died (no commit).
-
-    How the series lets such an event fail a running try whose process heartbeated recently:
-    series v3 (``Do-not-fail-a-running-try-that-still-heartbeats-on-an-executor-event.patch``) only once the
-    try's heartbeat timed out, so the pass runs that much later; the v2 series holds the event until the try
-    heartbeats again or the hold ends (``failed_event_hold``), so where the event is still in the executor's
-    buffer after the pass, the clock is moved past the hold and the events are processed again. Before those
-    patches the first pass handles the event and there is no second one.
+    ``runner._process_executor_events`` for events of a try whose process died (no commit), run once the try's
+    heartbeat timed out (``once_its_heartbeat_timed_out``): series v3 does not let an event fail a running try
+    that still heartbeats.
     """
-    import time_machine
-    from airflow._shared.timezones import timezone as tz
-    from airflow.utils.state import TaskInstanceState
-
-    executor = executor or runner.executor
-    if carries(V3_HEARTBEAT_RULE):
-        with once_its_heartbeat_timed_out():
-            return runner._process_executor_events(executor=executor, session=session)
-    processed = runner._process_executor_events(executor=executor, session=session)
-    if any(state == TaskInstanceState.FAILED for state, _ in executor.event_buffer.values()):
-        with time_machine.travel(tz.utcnow() + failed_event_hold() + timedelta(seconds=1), tick=False):
-            processed += runner._process_executor_events(executor=executor, session=session)
-    return processed
+    with once_its_heartbeat_timed_out():
+        return runner._process_executor_events(executor=executor or runner.executor, session=session)
