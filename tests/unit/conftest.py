@@ -58,7 +58,10 @@ DEFAULT_SERIES_FILE = PROJECT_ROOT / "patches" / "series"
 
 
 def _release(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split(".")[:3])
+    """``(3, 4, 0)`` for ``3.4.0`` and for a pre-release such as ``3.4.0b2``."""
+    import re
+
+    return tuple(int(re.match(r"\d+", part).group()) for part in version.split(".")[:3])
 
 
 # The 3.3.2 queue is series v3 (the scheduler owns its transaction); the older bases' queues are still v2. A test
@@ -282,6 +285,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "(verify-series: the next patch's fail-before tests, in the run of this step's suite).",
     )
     group.addoption(
+        "--run-unqueued",
+        action="store_true",
+        default=False,
+        help="Run the tests marked @pytest.mark.proves(PATCH) whose PATCH the base's queue does not carry "
+        "instead of skipping them, and collect the test modules of such patches (not those of the v2 tail, "
+        "which no queue carries): on the pristine base (e.g. 3.4.0b2's empty queue) a failure shows the "
+        "bug is there. --proves then takes any patch of the 3.3.2 queue.",
+    )
+    group.addoption(
         "--guards",
         action="store_true",
         default=False,
@@ -305,6 +317,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "guard: behaviour that must hold before and after every patch")
 
     series = read_series()
+    if config.getoption("--run-unqueued"):
+        series = [*(series or ()), *(read_series(DEFAULT_SERIES_FILE) or ()), *V3_PATCH_OF]
+        collect_ignore[:] = [m for m in collect_ignore if _MODULE_OF_PATCH[m] in V2_TAIL]
     last = config.getoption("--proves-last")
     for option, wanted in (("--proves", config.getoption("--proves") or []), ("--proves-last", [last])):
         unknown = [w for w in wanted if w is not None and series is not None and w not in series]
@@ -348,7 +363,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     selected, deselected, tail = [], [], set()
     for item in items:
         proves = _proves_args(item, series)
-        if proves is not None and series is not None and proves[0] not in series:
+        unqueued = config.getoption("--run-unqueued") and proves is not None and proves[0] not in V2_TAIL
+        if proves is not None and series is not None and proves[0] not in series and not unqueued:
             why = f"{proves[0]} is not in the {BASE_VERSION} series ({SERIES_FILE.relative_to(PROJECT_ROOT)})"
             item.add_marker(pytest.mark.skip(reason=why))
         if proves is not None:
@@ -378,7 +394,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 )
 
         everything = wanted is None and not guards
-        proves_wanted = wanted is not None and proves is not None and proves[0] in wanted
+        proves_wanted = (
+            wanted is not None
+            and proves is not None
+            and (
+                proves[0] in wanted or V3_PATCH_OF.get(proves[0]) in wanted  # --run-unqueued: the v3 name
+            )
+        )
         if everything or proves_wanted or (guards and is_guard):
             selected.append(item)
             if proves is not None and proves[0] == last:
@@ -970,6 +992,30 @@ class RecordingExecutor(BaseExecutor):
 
     def _process_workloads(self, workloads) -> None:
         pass  # Nothing is executed.
+
+    def _drain_events_with_task_ids(self, *args: Any, **kwargs: Any) -> Any:
+        """
+        3.4: the scheduler takes a ``TaskInstanceKey`` event for the try whose id the executor captured when
+        it took the workload (``_register_task``); the tests hand over workloads by key only
+        (``running.add(ti.key)``), so each key is resolved here to the row of that try, live or archived.
+        """
+        from airflow.models.taskinstance import TaskInstance
+        from airflow.models.taskinstancekey import TaskInstanceKey
+
+        for key in [k for k in self.event_buffer if isinstance(k, TaskInstanceKey)]:
+            if key in self._task_coordinates.values():
+                continue
+            with settings.NonScopedSession() as s:
+                stmt = select(TaskInstance).where(
+                    TaskInstance.dag_id == key.dag_id,
+                    TaskInstance.task_id == key.task_id,
+                    TaskInstance.run_id == key.run_id,
+                    TaskInstance.try_number == key.try_number,
+                    TaskInstance.map_index == key.map_index,
+                )
+                if (ti := s.scalars(stmt.execution_options(include_all_attempts=True)).first()) is not None:
+                    self._register_task(ti)
+        return super()._drain_events_with_task_ids(*args, **kwargs)
 
     def sync(self) -> None:
         pass
