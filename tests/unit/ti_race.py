@@ -310,7 +310,10 @@ def read_rows(dag_id: str, task_id: str, run_id: str, map_index: int = -1) -> Ro
             )
         ).one()
         reschedules = list(s.scalars(select(TaskReschedule.ti_id)))
-        tries = [row.try_number for row in history_of(s, dag_id, task_id, run_id, map_index)]
+        history = history_of(s, dag_id, task_id, run_id, map_index)
+        tries = [row.try_number for row in history]
+        if hasattr(TI, "working_set"):  # 3.4: an archived try keeps its task_reschedule rows, as history
+            reschedules = [r for r in reschedules if r not in {row.task_instance_id for row in history}]
         s.rollback()
     return Rows(ti_id=ti_id, state=state, reschedule_ti_ids=reschedules, history_tries=tries)
 
