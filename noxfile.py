@@ -31,7 +31,8 @@ import dbserver  # noqa: E402
 import tree  # noqa: E402
 
 # The base under test: USE_AIRFLOW_VERSION (breeze's variable), one of [tool.airflow-series.bases] in
-# pyproject.toml, default the newest. Each base has its own tree, queue and venvs, so switching keeps the others.
+# pyproject.toml, default its `version` (3.3.2). Each base has its own tree, queue and venvs, so switching
+# keeps the others.
 try:
     BASE = tree.base_config(ROOT)
     CORE = tree.core_dir(ROOT)  # airflow-core/ (default base) or airflow-core-<version>/

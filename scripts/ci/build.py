@@ -2,8 +2,8 @@
 """
 Build the patched apache-airflow-core wheel and sdist into ``dist/`` (``nox -s build``).
 
-The base (``USE_AIRFLOW_VERSION``, default the newest) is unpacked from its sha256-checked sdist and the
-series applied in a temporary folder (``tree.py``'s own build, so ``airflow-core/`` is never moved), then
+The base (``USE_AIRFLOW_VERSION``, default ``version`` in pyproject.toml) is unpacked from its sha256-checked
+sdist and the series applied in a temporary folder (``tree.py``'s own build, so ``airflow-core/`` is never moved), then
 upstream's build backend (hatchling, pinned in the sdist's ``[build-system]``) builds it with ``uv build``:
 the sdist, then the wheel from that sdist. Three build-time edits, all in the temporary copy:
 

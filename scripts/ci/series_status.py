@@ -5,7 +5,7 @@ Print the series' status: each patch's upstream issue and status, and how it far
 One markdown table: patch, subject, upstream issue (``Bug:``), upstream status (``Forwarded:`` /
 ``Applied-Upstream:``), files touched, and one column per release in ``[tool.airflow-series]
 bases`` of ``pyproject.toml`` (version = sdist sha256); the queue is the selected base's
-(``USE_AIRFLOW_VERSION``, default: the newest, ``patches/series``):
+(``USE_AIRFLOW_VERSION``, default: ``version`` in pyproject.toml, ``patches/series``):
 
 * ``applies``           the patch applies cleanly (``git apply --check``);
 * ``already contained`` it does not, but its reverse does: the release has the change, drop the patch;

@@ -91,7 +91,7 @@ def project(tmp_path: Path) -> Path:
 
 
 def test_real_upstream_change_is_contained_in_332_and_applies_to_318(project: Path):
-    assert set(series_status.status_bases(project)) == {"3.3.2", "3.2.2", "3.1.8"}
+    assert set(series_status.status_bases(project)) == {"3.3.2", "3.2.2", "3.1.8", "3.4.0b2"}
     header, rows, ok = series_status.status(project)
     assert ok  # the pinned base is 3.3.2: "already contained" is not a failure to apply
     row = dict(zip(header, rows[0]))
@@ -116,7 +116,7 @@ def test_cli_names_conflict_and_fails_on_the_pinned_base(project: Path):
     assert proc.returncode == 1
     assert "a patch conflicts with the pinned base 3.3.2" in proc.stderr
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| hb-callback-type.patch |"))
-    assert row.count(f"CONFLICT ({SJR}") == 3, row  # one per base
+    assert row.count(f"CONFLICT ({SJR}") == len(series_status.status_bases(project)), row  # one per base
 
 
 def test_older_base_lists_the_default_patches_it_does_not_carry(tmp_path: Path, monkeypatch):

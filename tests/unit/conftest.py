@@ -60,6 +60,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "(verify-series: the next patch's fail-before tests, in the run of this step's suite).",
     )
     group.addoption(
+        "--run-unqueued",
+        action="store_true",
+        default=False,
+        help="Run the tests marked @pytest.mark.proves(PATCH) whose PATCH the base's queue does not carry "
+        "instead of skipping them, and collect the test modules of such patches (not those of the v2 tail, "
+        "which no queue carries): on the pristine base (e.g. 3.4.0b2's empty queue) a failure shows the "
+        "bug is there. --proves then takes any patch of the 3.3.2 queue.",
+    )
+    group.addoption(
         "--guards",
         action="store_true",
         default=False,
@@ -83,6 +92,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "guard: behaviour that must hold before and after every patch")
 
     series.check_options(config)
+    if config.getoption("--run-unqueued"):
+        collect_ignore[:] = series.not_collected(unqueued=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

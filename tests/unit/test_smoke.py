@@ -95,7 +95,12 @@ def test_scheduler_queues_task(dag_maker, session, scheduler_job_runner):
     session.merge(ti)
     session.commit()
 
-    queued = scheduler_job_runner._executable_task_instances_to_queued(max_tis=32, session=session)
+    runner = scheduler_job_runner
+    if hasattr(runner, "_executable_task_instances_to_queued"):
+        queued = runner._executable_task_instances_to_queued(max_tis=32, session=session)
+    else:  # 3.4: the pool capacity is taken first, then the selection marks the TIs QUEUED
+        pools, max_tis, starved = runner._acquire_pool_capacity(32, session=session)
+        queued = runner._select_task_instances_to_queue(max_tis, pools, starved, session=session)
     session.commit()
     assert [t.task_id for t in queued] == ["op"]
     assert session.scalar(select(TaskInstance.state).where(TaskInstance.id == ti.id)) == "queued"

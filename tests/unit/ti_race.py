@@ -213,19 +213,24 @@ class ExecutionApi:
         self._api = InProcessExecutionAPI()
         self._transport = self._api.transport
 
+    def client(self) -> Any:
+        """A client of the app: httpx's, or httpx2's where the transport is httpx2's (3.4)."""
+        import importlib
+
+        httpx = importlib.import_module(type(self._transport).__module__.split(".")[0])
+        return httpx.Client(transport=self._transport, base_url="http://in-process.invalid./")
+
     def warm_up(self) -> None:
         """
         First request: Cadwyn builds the versioned routers of the app then (tens of seconds on a
         small machine), which must not count against the waits of a test.
         """
-        import httpx
 
-        with httpx.Client(transport=self._transport, base_url="http://in-process.invalid./") as client:
+        with self.client() as client:
             client.get("/health").raise_for_status()
 
     def reschedule(self, ti_id) -> int:
         """``PATCH /task-instances/{id}/state`` with a ``TIRescheduleStatePayload``; the status code."""
-        import httpx
 
         from airflow.api_fastapi.execution_api.datamodels.taskinstance import TIRescheduleStatePayload
 
@@ -233,7 +238,7 @@ class ExecutionApi:
         payload = TIRescheduleStatePayload(
             state="up_for_reschedule", reschedule_date=now + timedelta(minutes=5), end_date=now
         )
-        with httpx.Client(transport=self._transport, base_url="http://in-process.invalid./") as client:
+        with self.client() as client:
             response = client.patch(
                 f"/task-instances/{ti_id}/state",
                 content=payload.model_dump_json(),
@@ -243,9 +248,8 @@ class ExecutionApi:
 
     def heartbeat(self, ti_id, *, hostname: str, pid: int) -> int:
         """``PUT /task-instances/{id}/heartbeat`` (``TIHeartbeatInfo``); the status code."""
-        import httpx
 
-        with httpx.Client(transport=self._transport, base_url="http://in-process.invalid./") as client:
+        with self.client() as client:
             response = client.put(
                 f"/task-instances/{ti_id}/heartbeat",
                 json={"hostname": hostname, "pid": pid},
@@ -269,9 +273,34 @@ class Rows:
     history_tries: list[int]
 
 
+def history_of(s, dag_id: str, task_id: str, run_id: str, map_index: int | None = None) -> list[Any]:
+    """
+    The history rows of a task (``try_number``, ``state``, ``task_instance_id``), by try number.
+
+    ``task_instance_history`` rows; 3.4 has no such table: a try is a ``task_instance`` row of its own and
+    the earlier ones are archived in place (``working_set`` NULL, migrations 0138/0142), keeping their id.
+    """
+    from types import SimpleNamespace
+
+    from airflow.models.taskinstance import TaskInstance as TI
+
+    try:
+        from airflow.models.taskinstancehistory import TaskInstanceHistory as TIH
+    except ImportError:  # 3.4
+        where = [TI.dag_id == dag_id, TI.task_id == task_id, TI.run_id == run_id, TI.working_set.is_(None)]
+        where += [] if map_index is None else [TI.map_index == map_index]
+        stmt = select(TI).where(*where).order_by(TI.try_number).execution_options(include_all_attempts=True)
+        return [
+            SimpleNamespace(try_number=t.try_number, state=t.state, task_instance_id=t.id)
+            for t in s.scalars(stmt)
+        ]
+    where = [TIH.dag_id == dag_id, TIH.task_id == task_id, TIH.run_id == run_id]
+    where += [] if map_index is None else [TIH.map_index == map_index]
+    return list(s.scalars(select(TIH).where(*where).order_by(TIH.try_number)))
+
+
 def read_rows(dag_id: str, task_id: str, run_id: str, map_index: int = -1) -> Rows:
     from airflow.models.taskinstance import TaskInstance as TI
-    from airflow.models.taskinstancehistory import TaskInstanceHistory as TIH
     from airflow.models.taskreschedule import TaskReschedule
 
     with settings.NonScopedSession() as s:
@@ -281,16 +310,10 @@ def read_rows(dag_id: str, task_id: str, run_id: str, map_index: int = -1) -> Ro
             )
         ).one()
         reschedules = list(s.scalars(select(TaskReschedule.ti_id)))
-        tries = list(
-            s.scalars(
-                select(TIH.try_number).where(
-                    TIH.dag_id == dag_id,
-                    TIH.task_id == task_id,
-                    TIH.run_id == run_id,
-                    TIH.map_index == map_index,
-                )
-            )
-        )
+        history = history_of(s, dag_id, task_id, run_id, map_index)
+        tries = [row.try_number for row in history]
+        if hasattr(TI, "working_set"):  # 3.4: an archived try keeps its task_reschedule rows, as history
+            reschedules = [r for r in reschedules if r not in {row.task_instance_id for row in history}]
         s.rollback()
     return Rows(ti_id=ti_id, state=state, reschedule_ti_ids=reschedules, history_tries=tries)
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from airflow import settings
+from sqlalchemy import select
 from airflow.executors.base_executor import BaseExecutor
 from airflow.listeners.listener import get_listener_manager
 
@@ -93,6 +94,30 @@ class RecordingExecutor(BaseExecutor):
 
     def _process_workloads(self, workloads) -> None:
         pass  # Nothing is executed.
+
+    def _drain_events_with_task_ids(self, *args: Any, **kwargs: Any) -> Any:
+        """
+        3.4: the scheduler takes a ``TaskInstanceKey`` event for the try whose id the executor captured when
+        it took the workload (``_register_task``); the tests hand over workloads by key only
+        (``running.add(ti.key)``), so each key is resolved here to the row of that try, live or archived.
+        """
+        from airflow.models.taskinstance import TaskInstance
+        from airflow.models.taskinstancekey import TaskInstanceKey
+
+        for key in [k for k in self.event_buffer if isinstance(k, TaskInstanceKey)]:
+            if key in self._task_coordinates.values():
+                continue
+            with settings.NonScopedSession() as s:
+                stmt = select(TaskInstance).where(
+                    TaskInstance.dag_id == key.dag_id,
+                    TaskInstance.task_id == key.task_id,
+                    TaskInstance.run_id == key.run_id,
+                    TaskInstance.try_number == key.try_number,
+                    TaskInstance.map_index == key.map_index,
+                )
+                if (ti := s.scalars(stmt.execution_options(include_all_attempts=True)).first()) is not None:
+                    self._register_task(ti)
+        return super()._drain_events_with_task_ids(*args, **kwargs)
 
     def sync(self) -> None:
         pass

@@ -35,7 +35,10 @@ DEFAULT_SERIES_FILE = PROJECT_ROOT / "patches" / "series"
 
 
 def _release(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split(".")[:3])
+    """``(3, 4, 0)`` for ``3.4.0`` and for a pre-release such as ``3.4.0b2``."""
+    import re
+
+    return tuple(int(re.match(r"\d+", part).group()) for part in version.split(".")[:3])
 
 
 # Every queue is series v3 (the scheduler owns its transaction). A test marked with a v2 patch proves, on a v3 queue,
@@ -184,7 +187,8 @@ def select_items(config: pytest.Config, items: list[pytest.Item]) -> None:
     selected, deselected, tail = [], [], set()
     for item in items:
         proves = _proves_args(item, series)
-        if proves is not None and series is not None and proves[0] not in series:
+        unqueued = config.getoption("--run-unqueued") and proves is not None and proves[0] not in V2_TAIL
+        if proves is not None and series is not None and proves[0] not in series and not unqueued:
             why = f"{proves[0]} is not in the {BASE_VERSION} series ({SERIES_FILE.relative_to(PROJECT_ROOT)})"
             item.add_marker(pytest.mark.skip(reason=why))
         if proves is not None:
@@ -214,7 +218,13 @@ def select_items(config: pytest.Config, items: list[pytest.Item]) -> None:
                 )
 
         everything = wanted is None and not guards
-        proves_wanted = wanted is not None and proves is not None and proves[0] in wanted
+        proves_wanted = (
+            wanted is not None
+            and proves is not None
+            and (
+                proves[0] in wanted or V3_PATCH_OF.get(proves[0]) in wanted  # --run-unqueued: the v3 name
+            )
+        )
         if everything or proves_wanted or (guards and is_guard):
             selected.append(item)
             if proves is not None and proves[0] == last:
@@ -228,14 +238,21 @@ def select_items(config: pytest.Config, items: list[pytest.Item]) -> None:
     items[:] = [i for i in selected if i not in tail] + [i for i in selected if i in tail]
 
 
-def not_collected() -> list[str]:
-    """The conftest's ``collect_ignore``: the modules of patches the queue under test does not carry."""
+def not_collected(unqueued: bool = False) -> list[str]:
+    """
+    The conftest's ``collect_ignore``: the modules of patches the queue under test does not carry; with
+    ``--run-unqueued`` (``unqueued``) only those of the v2 tail, which no queue carries.
+    """
+    if unqueued:
+        return [module for module, patch in _MODULE_OF_PATCH.items() if patch in V2_TAIL]
     return [module for module, patch in _MODULE_OF_PATCH.items() if not carries(patch)]
 
 
 def check_options(config: pytest.Config) -> None:
     """``--proves`` / ``--proves-last`` name patches of the queue under test."""
     series = read_series()
+    if config.getoption("--run-unqueued"):
+        series = [*(series or ()), *(read_series(DEFAULT_SERIES_FILE) or ()), *V3_PATCH_OF]
     last = config.getoption("--proves-last")
     for option, wanted in (("--proves", config.getoption("--proves") or []), ("--proves-last", [last])):
         unknown = [w for w in wanted if w is not None and series is not None and w not in series]

@@ -90,7 +90,7 @@ def start(api: ExecutionApi, ti_id, *, hostname: str, pid: int) -> httpx.Respons
         "pid": pid,
         "start_date": tz.utcnow().isoformat(),
     }
-    with httpx.Client(transport=api._transport, base_url="http://in-process.invalid./") as client:
+    with api.client() as client:
         return client.patch(
             f"/task-instances/{ti_id}/run", json=body, headers={"Authorization": "Bearer in-process"}
         )

@@ -53,9 +53,8 @@ def committed_requests() -> list:
 
 def api_fail(api: ExecutionApi, ti_id) -> int:
     """The worker's supervisor reporting its task failed (TITerminalStatePayload)."""
-    import httpx
 
-    with httpx.Client(transport=api._transport, base_url="http://in-process.invalid./") as client:
+    with api.client() as client:
         response = client.patch(
             f"/task-instances/{ti_id}/state",
             json={"state": "failed", "end_date": timezone.utcnow().isoformat()},

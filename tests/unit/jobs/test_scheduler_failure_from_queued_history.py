@@ -24,7 +24,6 @@ import pytest
 from sqlalchemy import func, select
 
 from airflow.callbacks.callback_requests import TaskCallbackRequest
-from airflow.models.taskinstancehistory import TaskInstanceHistory
 from airflow.models.taskreschedule import TaskReschedule
 from airflow.utils.state import TaskInstanceState
 from tests.unit.jobs.test_scheduler_stale_executor_events import (
@@ -37,6 +36,7 @@ from tests.unit.jobs.test_scheduler_stale_executor_events import (
     _schedule,
     _second_poke_reaches,
 )
+from tests.unit.ti_race import history_of
 
 PATCH = "Record-TaskInstanceHistory-when-a-task-fails-from-a-non-running-state.patch"
 
@@ -46,22 +46,14 @@ pytestmark = pytest.mark.db_test
 @pytest.fixture
 def execution_api(api) -> Iterator[httpx.Client]:
     """A client of the run's execution API app (the harness's ``api``)."""
-    with httpx.Client(transport=api._transport, base_url="http://in-process.invalid/") as client:
+    with api.client() as client:
         yield client
 
 
 def _history(session, ti) -> list[tuple[int, str, str]]:
     return [
         (row.try_number, row.state, row.task_instance_id)
-        for row in session.scalars(
-            select(TaskInstanceHistory)
-            .where(
-                TaskInstanceHistory.dag_id == ti.dag_id,
-                TaskInstanceHistory.task_id == ti.task_id,
-                TaskInstanceHistory.run_id == ti.run_id,
-            )
-            .order_by(TaskInstanceHistory.try_number)
-        )
+        for row in history_of(session, ti.dag_id, ti.task_id, ti.run_id)
     ]
 
 

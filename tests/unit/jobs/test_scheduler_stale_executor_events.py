@@ -76,7 +76,7 @@ def _never(**_):  # pragma: no cover
 @pytest.fixture
 def execution_api(api) -> Iterator[httpx.Client]:
     """A client of the run's execution API app (the harness's ``api``)."""
-    with httpx.Client(transport=api._transport, base_url="http://in-process.invalid/") as client:
+    with api.client() as client:
         yield client
 
 

@@ -62,6 +62,11 @@ pytestmark = pytest.mark.db_test
 # SQL the two writers run; the pauses are placed after these statements.
 API_INSERTS_RESCHEDULE = r"^\s*INSERT INTO task_reschedule\b"
 READS_TRY_HISTORY = r"\bFROM task_instance_history\b"  # record_ti(), just before the delete + new id
+# The API's answer to a request for a try the failure won: 404; 3.4 answers 410 Gone for an archived try.
+REFUSED = (404, 410) if hasattr(TaskInstance, "working_set") else (404,)
+# 3.4 has no history table: its retry preparation starts with archive()'s locking read of the try.
+if hasattr(TaskInstance, "working_set"):
+    READS_TRY_HISTORY = r"^\s*SELECT task_instance\.working_set, task_instance\.state\b.*\bFOR UPDATE"
 SCHEDULER_READS_BATCH = r"^\s*SELECT\b.*\bFROM task_instance\b"  # _process_executor_events' batch query
 
 
@@ -140,7 +145,7 @@ def assert_consistent(rows, old_id, api_status: int) -> str:
     assert rows.ti_id != old_id, rows
     assert rows.history_tries == [1], rows
     assert rows.reschedule_ti_ids == [], rows
-    assert api_status == 404, (
+    assert api_status in REFUSED, (
         f"the API answered {api_status} and its reschedule of {old_id} was overwritten by the retry: {rows}"
     )
     return "failure won"

@@ -82,10 +82,9 @@ def report(api: ExecutionApi, ti_id, state: str, **fields) -> int:
     ``failed`` goes as a ``TITerminalStatePayload`` (the supervisor's ``finish()``), ``up_for_retry``
     as a ``TIRetryStatePayload``. Returns the status code.
     """
-    import httpx
 
     body = {"state": state, "end_date": tz.utcnow().isoformat(), **fields}
-    with httpx.Client(transport=api._transport, base_url="http://in-process.invalid./") as client:
+    with api.client() as client:
         response = client.patch(
             f"/task-instances/{ti_id}/state", json=body, headers={"Authorization": "Bearer in-process"}
         )
