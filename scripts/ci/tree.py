@@ -295,7 +295,9 @@ def fetch_sdist(cfg: dict[str, str]) -> Path:
         proc = subprocess.run([*cmd, spec], text=True, capture_output=True)
         found = sorted(dest.glob(f"{name}-{cfg['version']}.tar.gz"))
         if proc.returncode or not found:
-            raise TreeError(f"could not download the sdist of {spec}:\n{proc.stderr.strip()}")
+            raise TreeError(
+                f"could not download the sdist of {spec} (pip download): {pip_error(proc.stderr)}"
+            )
     sdist = found[0]
     got = hashlib.sha256(sdist.read_bytes()).hexdigest()
     if got != cfg["sdist-sha256"]:
@@ -304,6 +306,19 @@ def fetch_sdist(cfg: dict[str, str]) -> Path:
             "refusing to use it, nothing was changed"
         )
     return sdist
+
+
+def pip_error(stderr: str) -> str:
+    """pip's error in one line: its last ERROR, and why the package index could not be reached (if so)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line.removeprefix("ERROR: ") for line in lines if line.startswith("ERROR:")]
+    last = errors[-1] if errors else (lines[-1] if lines else "(no output)")
+    network = re.compile(
+        r"(Failed to establish a new connection: [^'\"]*|Name or service not known"
+        r"|Temporary failure in name resolution|Read timed out|Connection refused)"
+    )
+    cause = next((m[1].rstrip(") ") for line in lines if (m := network.search(line))), None)
+    return f"{last} (the package index is not reachable: {cause})" if cause else last
 
 
 def stamp_of(cfg: dict[str, str], patches: list[Path]) -> str:

@@ -99,14 +99,19 @@ def test_core_tier_is_the_patches_above_the_marker(project: Path, tmp_path: Path
     assert "# a second patch" not in scheduler
 
 
-@pytest.mark.parametrize("case", ["edited", "untracked", "partial"])
+@pytest.mark.parametrize("case", ["edited", "untracked", "partial", "other-base", "no-series-head"])
 def test_a_tree_that_is_not_exactly_the_series_is_refused(project: Path, tmp_path: Path, case: str):
     core = project / "airflow-core"
     git = ["git", "-C", str(core)]
+    stamps = {f: (core / ".git" / f).read_bytes() for f in ("series-stamp", "series-head")}
     if case == "edited":
         (core / SINK).write_text((core / SINK).read_text() + "# local edit\n")
     elif case == "untracked":
         (core / "notes.txt").write_text("mine\n")
+    elif case == "other-base":  # as tree.py stamps a tree of another base (its sdist's sha256 differs)
+        (core / ".git" / "series-stamp").write_text("0" * 64)
+    elif case == "no-series-head":  # a tree made before tree.py wrote .git/series-head
+        (core / ".git" / "series-head").unlink()
     else:
         subprocess.run([*git, "checkout", "-q", "--detach", "series~1"], check=True)
     try:
@@ -114,10 +119,14 @@ def test_a_tree_that_is_not_exactly_the_series_is_refused(project: Path, tmp_pat
     finally:
         subprocess.run([*git, "checkout", "-q", "-f", "series"], check=True)
         (core / "notes.txt").unlink(missing_ok=True)
+        for f, data in stamps.items():
+            (core / ".git" / f).write_bytes(data)
     assert {
         "edited": f"airflow-core/ has uncommitted changes ({SINK})",
         "untracked": "airflow-core/ has untracked files (notes.txt)",
         "partial": "airflow-core/ is a partial checkout (base + 1 of 2 patches)",
+        "other-base": "airflow-core/ was not built from 3.3.2 + patches/series (another base's tree",
+        "no-series-head": "airflow-core/ has no .git/series-head (made by an older tree.py)",
     }[case] in error
     assert not (tmp_path / "dist").exists()
 
@@ -139,3 +148,22 @@ def test_no_network_to_the_package_index_is_one_line_and_leaves_the_tree_alone(p
     assert not (tmp_path / "dist").exists()
     # the check of airflow-core/ neither rewrote its index nor took its index.lock
     assert (git_dir.stat().st_mtime_ns, (git_dir / "index").read_bytes()) == before
+
+
+def test_no_network_for_the_base_sdist_is_one_line_naming_the_index(project: Path, tmp_path: Path):
+    """An sdist not cached yet (a new base, a fresh machine) and no package index: pip's output was printed
+    whole (warnings, two ERROR lines) after the message (issue 31)."""
+    closed = "http://127.0.0.1:9/simple"
+    pip_env = {
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_FIND_LINKS": "",
+        "PIP_EXTRA_INDEX_URL": "",
+        "PIP_RETRIES": "1",
+    }
+    proc = run(project, "--dist", str(tmp_path / "dist"), XDG_CACHE_HOME=str(tmp_path / "cache"),
+               PIP_INDEX_URL=closed, **pip_env)  # fmt: skip
+    error = one_line_error(proc)
+    assert "could not download the sdist of apache-airflow-core==3.3.2 (pip download): No matching" in error
+    assert error.endswith("(the package index is not reachable: Failed to establish a new connection: "
+                          "[Errno 111] Connection refused)")  # fmt: skip
+    assert not (tmp_path / "dist").exists()
