@@ -31,10 +31,19 @@ def load(wheel: str | None) -> dict | None:
 
 
 def main(argv: list[str]) -> int:
+    if argv and (argv[0].startswith("-") or len(argv) > 1):
+        print(
+            "usage: series_info.py [WHEEL]  (without WHEEL: the installed apache-airflow-core)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         data = load(argv[0] if argv else None)
     except PackageNotFoundError:
         print("series_info.py: apache-airflow-core is not installed in this Python", file=sys.stderr)
+        return 1
+    except (OSError, zipfile.BadZipFile, json.JSONDecodeError) as e:
+        print(f"series_info.py: {argv[0] if argv else RECORD}: not a readable wheel ({e})", file=sys.stderr)
         return 1
     if data is None:
         version = distribution("apache-airflow-core").version if not argv else argv[0]

@@ -167,3 +167,11 @@ def test_no_network_for_the_base_sdist_is_one_line_naming_the_index(project: Pat
     assert error.endswith("(the package index is not reachable: Failed to establish a new connection: "
                           "[Errno 111] Connection refused)")  # fmt: skip
     assert not (tmp_path / "dist").exists()
+
+
+@pytest.mark.parametrize("arg", ["missing.whl", "README.md", "--help"])
+def test_series_info_names_a_bad_argument_in_one_line(arg: str):
+    """A missing file, a file that is not a wheel, an option: a traceback before (issue 31)."""
+    proc = subprocess.run([sys.executable, str(INFO), arg], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode in (1, 2) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("series_info.py: " if arg != "--help" else "usage: series_info.py [WHEEL]")
