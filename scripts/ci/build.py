@@ -113,11 +113,18 @@ def tree_problem(root: Path, cfg: dict[str, str], patches: list[Path]) -> str | 
 
 
 def uv_error(stderr: str) -> str:
-    """uv's error in one line: the last cause, and the URL it failed to fetch (hatchling, from the index)."""
+    """uv's error in one line: the last cause, and the URL it failed to fetch (hatchling, from the index) or
+    the build backend's exception (its traceback's last line; uv's closing ``hint:`` says nothing)."""
     lines = [line.strip().removeprefix("cause: ") for line in stderr.splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("hint: ")]
     last = lines[-1] if lines else "(no output)"
     fetch = next((line for line in lines if line.startswith("Failed to fetch:")), None)
-    return f"{fetch}: {last}" if fetch and fetch != last else last
+    if fetch and fetch != last:
+        return f"{fetch}: {last}"
+    raised = next(
+        (line for line in reversed(lines) if re.match(r"[A-Za-z_][\w.]*(Error|Exception): ", line)), None
+    )
+    return f"{last}: {raised}" if raised else last
 
 
 def local_version(cfg: dict[str, str], patches: list[Path], core: bool) -> str:
@@ -202,6 +209,8 @@ def build(root: Path, dist: Path, core: bool) -> list[Path]:
             tree.git(work, "log", "-1", "--format=%ct", "base").stdout.strip()
         ]
         epoch = os.environ.get("SOURCE_DATE_EPOCH") or str(max(int(d) for d in dates))
+        if not epoch.isdigit():
+            raise tree.TreeError(f"SOURCE_DATE_EPOCH={epoch!r} is not a number of seconds since 1970")
         src = Path(tmp) / f"apache_airflow_core-{version}"
         archive = subprocess.run(["git", "-C", str(work), "archive", "HEAD"], capture_output=True, check=True)
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
@@ -209,7 +218,7 @@ def build(root: Path, dist: Path, core: bool) -> list[Path]:
         prepare_source(src, version, cfg["version"], record(root, cfg, chosen, version, core))
         out = Path(tmp) / "out"
         env = {**os.environ, "SOURCE_DATE_EPOCH": epoch}
-        proc = subprocess.run([uv, "build", "--no-config", "-q", "-o", str(out), str(src)],
+        proc = subprocess.run([uv, "build", "--no-config", "-o", str(out), str(src)],
                               env=env, capture_output=True, text=True)  # fmt: skip
         if proc.returncode:
             raise tree.TreeError(f"`uv build` failed: {uv_error(proc.stderr)}")

@@ -175,3 +175,29 @@ def test_series_info_names_a_bad_argument_in_one_line(arg: str):
     proc = subprocess.run([sys.executable, str(INFO), arg], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode in (1, 2) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith("series_info.py: " if arg != "--help" else "usage: series_info.py [WHEEL]")
+
+
+def test_a_bad_source_date_epoch_is_named(project: Path, tmp_path: Path):
+    """Before: "`uv build` failed: hint: Build failures usually indicate a problem with the package or the
+    build environment" (uv -q hid hatchling's ValueError) (issue 31)."""
+    error = one_line_error(run(project, "--dist", str(tmp_path / "dist"), SOURCE_DATE_EPOCH="abc"))
+    assert error == "build.py: SOURCE_DATE_EPOCH='abc' is not a number of seconds since 1970"
+    assert not (tmp_path / "dist").exists()
+
+
+def test_a_build_backend_failure_names_its_exception_not_uvs_hint():
+    sys.path.insert(0, str(ROOT / "scripts" / "ci"))
+    import build
+
+    stderr = (
+        'Traceback (most recent call last):\n  File "<string>", line 11, in <module>\n'
+        "ValueError: invalid literal for int() with base 10: 'abc'\n"
+        "error: Failed to build `/tmp/x/apache_airflow_core-3.3.2+series.1.abc/`\n"
+        "  cause: The build backend returned an error\n"
+        "  cause: Call to `hatchling.build.build_sdist` failed (exit status: 1)\n\n"
+        "hint: Build failures usually indicate a problem with the package or the build environment\n"
+    )
+    assert build.uv_error(stderr) == (
+        "Call to `hatchling.build.build_sdist` failed (exit status: 1): "
+        "ValueError: invalid literal for int() with base 10: 'abc'"
+    )
