@@ -499,6 +499,10 @@ def prepare(root: Path) -> str:
 
 def checkout(root: Path, k: str) -> str:
     tree = core_dir(root)
+    if not (tree / ".git" / STAMP).is_file():
+        raise TreeError(
+            f"{tree.name}/ does not exist or was not made by this tool: `nox -s prepare` builds it"
+        )
     n = len(git(tree, "rev-list", "base..series").stdout.split())
     if k == "all":
         k = str(n)
@@ -539,17 +543,17 @@ def _refresh(root: Path, tree: Path) -> str:
             f"it, `git checkout {rel}/`"
         )
     if git(tree, "status", "--porcelain", "--untracked-files=no").stdout.strip():
-        raise TreeError("airflow-core/ has uncommitted changes: commit them first (one commit per patch)")
+        raise TreeError(f"{tree.name}/ has uncommitted changes: commit them first (one commit per patch)")
     if git(tree, "merge-base", "--is-ancestor", "series", "HEAD", check=False).returncode:
         raise TreeError(
-            "airflow-core/ HEAD is not on top of the full series (branch series): refresh would drop the patches "
+            f"{tree.name}/ HEAD is not on top of the full series (branch series): refresh would drop the patches "
             "above it; `tree.py checkout all` and commit there, or rebase your commits onto series"
         )
     queue = patches_dir(root)
     old = [name for _, name in series_names(root)]
     if not git(tree, "rev-list", "base..HEAD").stdout.split() and old:
         raise TreeError(
-            f"no commit above base in airflow-core/: refusing to write an empty series ({len(old)} patch(es) now)"
+            f"no commit above base in {tree.name}/: refusing to write an empty series ({len(old)} patch(es) now)"
         )
     out = Path(tempfile.mkdtemp(prefix="patches.", dir=root))
     try:
