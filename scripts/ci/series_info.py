@@ -56,7 +56,11 @@ def main(argv: list[str]) -> int:
     for i, p in enumerate(patches, 1):
         bugs = ", ".join("#" + b.rsplit("/", 1)[-1] for b in p["bug"]) or "-"
         applied = "; applied upstream: " + ", ".join(p["applied-upstream"]) if p["applied-upstream"] else ""
-        print(f"{i:2}. {p['subject']}  [{bugs}; forwarded: {', '.join(p['forwarded']) or '-'}{applied}]")
+        # a backport's origin is its upstream status when patches/upstream.toml has no entry for it
+        origin = "; origin: " + ", ".join(p["origin"]) if p.get("origin", ["self"]) != ["self"] else ""
+        print(
+            f"{i:2}. {p['subject']}  [{bugs}; forwarded: {', '.join(p['forwarded']) or '-'}{applied}{origin}]"
+        )
         if p["upstream-status"]:
             print(f"    {p['upstream-status']}")
     return 0

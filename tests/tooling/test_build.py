@@ -201,3 +201,22 @@ def test_a_build_backend_failure_names_its_exception_not_uvs_hint():
         "Call to `hatchling.build.build_sdist` failed (exit status: 1): "
         "ValueError: invalid literal for int() with base 10: 'abc'"
     )
+
+
+def test_series_info_shows_a_backports_origin(tmp_path: Path):
+    """Patch 7 (backport of merged PR #67372) has no patches/upstream.toml entry: series_info printed no
+    upstream status for it at all, though the wheel records its Origin (issue 31)."""
+    entry = {"name": "p.patch", "subject": "Record history", "bug": [], "forwarded": ["not-needed"],
+             "applied-upstream": [], "origin": ["backport, https://github.com/apache/airflow/pull/67372"],
+             "upstream-status": None}  # fmt: skip
+    record = {"distribution": "apache-airflow-core", "version": "3.3.2+series.1.abc", "base": "3.3.2",
+              "tier": "all", "patches": [entry, {**entry, "origin": ["self"]}]}  # fmt: skip
+    wheel = tmp_path / "apache_airflow_core-3.3.2+series.1.abc-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("apache_airflow_core-3.3.2+series.1.abc.dist-info/extra_metadata/airflow-core-series.json",
+                   json.dumps(record))  # fmt: skip
+    shown = subprocess.run([sys.executable, str(INFO), str(wheel)], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[1].endswith("origin: backport, https://github.com/apache/airflow/pull/67372]"), lines
+    assert "origin" not in lines[2]
