@@ -152,6 +152,11 @@ def in_database(
             tempfile.TemporaryDirectory(prefix="airflow-home.") as home,
         ):
             env = {DSN_ENV: dsn, "BACKEND": backend, "AIRFLOW_HOME": home, **extra}
+            # An async DSN in the environment (an operator's) would be Airflow's async engine while the sync
+            # one is the session's database: removed, so both derive from the one DSN checked above.
+            for name in [k for k in os.environ if k.startswith(f"{DSN_ENV}_ASYNC")]:
+                session.log(f"{name} is ignored: the async engine uses the session's database too")
+                env[name] = None
             try:
                 session.run("python", "scripts/ci/dbserver.py", "check", env=env)
                 session.run(*command, env=env, success_codes=success_codes)
@@ -291,6 +296,11 @@ def soak(session: nox.Session, backend: str) -> None:
             tempfile.TemporaryDirectory(prefix="airflow-home.") as home,
         ):
             env = {DSN_ENV: dsn, "BACKEND": backend, "AIRFLOW_HOME": home, **extra}
+            # An async DSN in the environment (an operator's) would be Airflow's async engine while the sync
+            # one is the session's database: removed, so both derive from the one DSN checked above.
+            for name in [k for k in os.environ if k.startswith(f"{DSN_ENV}_ASYNC")]:
+                session.log(f"{name} is ignored: the async engine uses the session's database too")
+                env[name] = None
             try:
                 session.run(*command, *args, *reqs, env=env)
             finally:

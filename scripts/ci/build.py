@@ -18,8 +18,8 @@ the sdist, then the wheel from that sdist. Three build-time edits, all in the te
 ``SOURCE_DATE_EPOCH`` is the newest included patch's date (or the environment's), so two builds from the
 same inputs give byte-identical files. ``--core`` builds the patches above the ``# --- operator tail ---``
 line of the series file (the upstream-core tier). ``airflow-core/``, when it exists, must be exactly the
-series: uncommitted or untracked edits, commits not written back and a partial checkout are refused, so that
-nobody believes their edit is in the build. Errors: one line naming the cause, exit 1.
+series: uncommitted or untracked edits, commits not written back, a partial checkout and a tree built from
+other patches or another base are refused, so that nobody believes their edit is in the build. Errors: one line naming the cause, exit 1.
 
 Usage: ``build.py [--root ROOT] [--dist DIR] [--core]``
 """
@@ -59,9 +59,10 @@ def tiers(root: Path) -> tuple[list[Path], list[Path] | None]:
     return patches, [p for p in patches if p.name in above]
 
 
-def tree_problem(root: Path, n: int) -> str | None:
-    """Why the existing airflow-core/ is not exactly the series (of ``n`` patches), or None (also if absent)."""
-    core = tree.core_dir(root)
+def tree_problem(root: Path, cfg: dict[str, str], patches: list[Path]) -> str | None:
+    """Why the existing airflow-core/ is not exactly the series ``patches`` of base ``cfg``, or None (also if
+    absent)."""
+    core, n = tree.core_dir(root), len(patches)
     name = f"{core.name}/"
     if not core.exists():
         return None
@@ -69,6 +70,11 @@ def tree_problem(root: Path, n: int) -> str | None:
         return f"{name} was not made by scripts/ci/tree.py (no .git/{tree.STAMP}): move it away"
     if why := tree.in_progress(core):
         return why
+    if (core / ".git" / tree.STAMP).read_text() != tree.stamp_of(cfg, patches):
+        return (
+            f"{name} was not built from {cfg['version']} + {tree.patches_dir(root).relative_to(root)}/series "
+            "(another base's tree, or the patches changed since): `nox -s prepare` rebuilds it"
+        )
     # --no-optional-locks: status does not refresh (rewrite) the tree's index, nor take its lock
     changed = tree.git(core, "--no-optional-locks", "status", "--porcelain", "--untracked-files=no").stdout
     changed = changed.split("\n")
@@ -83,6 +89,11 @@ def tree_problem(root: Path, n: int) -> str | None:
         return f"{name} has untracked files ({', '.join(untracked[:3])}): the build takes patches/ only"
     head = tree.git(core, "rev-parse", "HEAD").stdout.strip()
     tip = tree.git(core, "rev-parse", "-q", "--verify", "series", check=False).stdout.strip()
+    if not (core / ".git" / tree.STAMP_HEAD).is_file():
+        return (
+            f"{name} has no .git/{tree.STAMP_HEAD} (made by an older tree.py), so commits not written back "
+            "cannot be told apart: `nox -s refresh` records it"
+        )
     stamped = (core / ".git" / tree.STAMP_HEAD).read_text().strip()
     if tip != stamped:
         return f"{name} branch series has commits not written back to patches/ (`nox -s refresh`)"
@@ -102,11 +113,18 @@ def tree_problem(root: Path, n: int) -> str | None:
 
 
 def uv_error(stderr: str) -> str:
-    """uv's error in one line: the last cause, and the URL it failed to fetch (hatchling, from the index)."""
+    """uv's error in one line: the last cause, and the URL it failed to fetch (hatchling, from the index) or
+    the build backend's exception (its traceback's last line; uv's closing ``hint:`` says nothing)."""
     lines = [line.strip().removeprefix("cause: ") for line in stderr.splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("hint: ")]
     last = lines[-1] if lines else "(no output)"
     fetch = next((line for line in lines if line.startswith("Failed to fetch:")), None)
-    return f"{fetch}: {last}" if fetch and fetch != last else last
+    if fetch and fetch != last:
+        return f"{fetch}: {last}"
+    raised = next(
+        (line for line in reversed(lines) if re.match(r"[A-Za-z_][\w.]*(Error|Exception): ", line)), None
+    )
+    return f"{last}: {raised}" if raised else last
 
 
 def local_version(cfg: dict[str, str], patches: list[Path], core: bool) -> str:
@@ -177,7 +195,7 @@ def build(root: Path, dist: Path, core: bool) -> list[Path]:
             f"{tree.patches_dir(root).relative_to(root)}/series has no `{TAIL_MARKER}` line: its tiers are "
             "not marked yet, so --core cannot be built (build without --core for the whole series)"
         )
-    if why := tree_problem(root, len(patches)):
+    if why := tree_problem(root, cfg, patches):
         raise tree.TreeError(f"not built: {why}")
     chosen = core_tier if core else patches
     version = local_version(cfg, chosen, core)
@@ -191,6 +209,8 @@ def build(root: Path, dist: Path, core: bool) -> list[Path]:
             tree.git(work, "log", "-1", "--format=%ct", "base").stdout.strip()
         ]
         epoch = os.environ.get("SOURCE_DATE_EPOCH") or str(max(int(d) for d in dates))
+        if not epoch.isdigit():
+            raise tree.TreeError(f"SOURCE_DATE_EPOCH={epoch!r} is not a number of seconds since 1970")
         src = Path(tmp) / f"apache_airflow_core-{version}"
         archive = subprocess.run(["git", "-C", str(work), "archive", "HEAD"], capture_output=True, check=True)
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
@@ -198,7 +218,7 @@ def build(root: Path, dist: Path, core: bool) -> list[Path]:
         prepare_source(src, version, cfg["version"], record(root, cfg, chosen, version, core))
         out = Path(tmp) / "out"
         env = {**os.environ, "SOURCE_DATE_EPOCH": epoch}
-        proc = subprocess.run([uv, "build", "--no-config", "-q", "-o", str(out), str(src)],
+        proc = subprocess.run([uv, "build", "--no-config", "-o", str(out), str(src)],
                               env=env, capture_output=True, text=True)  # fmt: skip
         if proc.returncode:
             raise tree.TreeError(f"`uv build` failed: {uv_error(proc.stderr)}")

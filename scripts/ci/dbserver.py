@@ -61,15 +61,15 @@ def masked(dsn: str) -> str:
     Parsed by hand, the same in the nox process (no SQLAlchemy) and in a session's Python; a password may
     contain ``/``, ``:`` or ``@`` (the host follows the last ``@``). Not a URL at all: ``***``.
     """
-    head, question, _query = dsn.partition("?")
-    scheme, sep, rest = head.partition("://")
+    scheme, sep, rest = dsn.partition("://")
     if not sep:
         return "***"
-    userinfo, at, host = rest.rpartition("@")
-    if at:
-        user, colon, _password = userinfo.partition(":")
-        rest = f"{user}{':***' if colon else ''}@{host}"
-    return f"{scheme}://{rest}{'?***' if question else ''}"
+    # The password may hold a raw "?" (SQLAlchemy takes all up to the "@" as the password): the userinfo
+    # is cut off before the query is, so no part of a password is shown as host or query.
+    userinfo = re.match(r"([^:/@?]*)(:.*)?@(?=[^@]*$)", rest, re.S)
+    user = f"{userinfo[1]}{':***' if userinfo[2] is not None else ''}@" if userinfo else ""
+    host, question, _query = rest[userinfo.end() if userinfo else 0 :].partition("?")
+    return f"{scheme}://{user}{host}{'?***' if question else ''}"
 
 
 NOT_AIRFLOW = " (not an Airflow database)"
@@ -172,16 +172,17 @@ def _mariadb(tmp: Path) -> Iterator[str]:
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
-        ping = [admin, f"--socket={sock}", "-uroot", "--connect-timeout=1", "ping"]
+        # The clients read ~/.my.cnf, /etc/mysql/ and MYSQL_HOST, whose host would take them over TCP to
+        # another server (an operator's): no option files, the socket of ours only.
+        ours = ["--no-defaults", "--protocol=socket", "--host=localhost", f"--socket={sock}", "-uroot"]
+        ping = [admin, *ours, "--connect-timeout=1", "ping"]
         deadline = time.monotonic() + 60
         while subprocess.run(ping, capture_output=True).returncode:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise ServerError(f"mariadbd did not start: {(tmp / 'log').read_text()[-2000:]}")
             time.sleep(0.2)  # polling a starting server, not synchronising tests
         sql = "CREATE DATABASE airflow CHARACTER SET utf8mb4 COLLATE utf8mb4_unicode_ci"
-        subprocess.run(
-            [shutil.which("mariadb") or "mysql", f"--socket={sock}", "-uroot", "-e", sql], check=True
-        )
+        subprocess.run([shutil.which("mariadb") or "mysql", *ours, "-e", sql], check=True)
         yield f"mysql+mysqldb://root@127.0.0.1:{port}/airflow"
     finally:
         proc.send_signal(signal.SIGTERM)

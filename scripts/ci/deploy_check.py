@@ -118,9 +118,15 @@ def import_providers(py: str, extra: list[str], env: dict[str, str], step: str, 
 
 
 def wheel_version(wheel: Path) -> str:
-    with zipfile.ZipFile(wheel) as z:
-        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        return re.search(r"^Version: (\S+)$", z.read(meta).decode(), re.M)[1]
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            meta = next((n for n in z.namelist() if n.endswith(".dist-info/METADATA")), None)
+            found = meta and re.search(r"^Version: (\S+)$", z.read(meta).decode(errors="replace"), re.M)
+    except (OSError, zipfile.BadZipFile) as e:
+        raise CheckFailed(f"{wheel}: not a wheel ({e})") from None
+    if not found:
+        raise CheckFailed(f"{wheel}: not a wheel (no .dist-info/METADATA with a Version)")
+    return found[1]
 
 
 @contextlib.contextmanager

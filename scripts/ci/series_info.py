@@ -31,10 +31,19 @@ def load(wheel: str | None) -> dict | None:
 
 
 def main(argv: list[str]) -> int:
+    if argv and (argv[0].startswith("-") or len(argv) > 1):
+        print(
+            "usage: series_info.py [WHEEL]  (without WHEEL: the installed apache-airflow-core)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         data = load(argv[0] if argv else None)
     except PackageNotFoundError:
         print("series_info.py: apache-airflow-core is not installed in this Python", file=sys.stderr)
+        return 1
+    except (OSError, zipfile.BadZipFile, json.JSONDecodeError) as e:
+        print(f"series_info.py: {argv[0] if argv else RECORD}: not a readable wheel ({e})", file=sys.stderr)
         return 1
     if data is None:
         version = distribution("apache-airflow-core").version if not argv else argv[0]
@@ -47,7 +56,11 @@ def main(argv: list[str]) -> int:
     for i, p in enumerate(patches, 1):
         bugs = ", ".join("#" + b.rsplit("/", 1)[-1] for b in p["bug"]) or "-"
         applied = "; applied upstream: " + ", ".join(p["applied-upstream"]) if p["applied-upstream"] else ""
-        print(f"{i:2}. {p['subject']}  [{bugs}; forwarded: {', '.join(p['forwarded']) or '-'}{applied}]")
+        # a backport's origin is its upstream status when patches/upstream.toml has no entry for it
+        origin = "; origin: " + ", ".join(p["origin"]) if p.get("origin", ["self"]) != ["self"] else ""
+        print(
+            f"{i:2}. {p['subject']}  [{bugs}; forwarded: {', '.join(p['forwarded']) or '-'}{applied}{origin}]"
+        )
         if p["upstream-status"]:
             print(f"    {p['upstream-status']}")
     return 0

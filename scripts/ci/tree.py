@@ -295,7 +295,9 @@ def fetch_sdist(cfg: dict[str, str]) -> Path:
         proc = subprocess.run([*cmd, spec], text=True, capture_output=True)
         found = sorted(dest.glob(f"{name}-{cfg['version']}.tar.gz"))
         if proc.returncode or not found:
-            raise TreeError(f"could not download the sdist of {spec}:\n{proc.stderr.strip()}")
+            raise TreeError(
+                f"could not download the sdist of {spec} (pip download): {pip_error(proc.stderr)}"
+            )
     sdist = found[0]
     got = hashlib.sha256(sdist.read_bytes()).hexdigest()
     if got != cfg["sdist-sha256"]:
@@ -304,6 +306,19 @@ def fetch_sdist(cfg: dict[str, str]) -> Path:
             "refusing to use it, nothing was changed"
         )
     return sdist
+
+
+def pip_error(stderr: str) -> str:
+    """pip's error in one line: its last ERROR, and why the package index could not be reached (if so)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line.removeprefix("ERROR: ") for line in lines if line.startswith("ERROR:")]
+    last = errors[-1] if errors else (lines[-1] if lines else "(no output)")
+    network = re.compile(
+        r"(Failed to establish a new connection: [^'\"]*|Name or service not known"
+        r"|Temporary failure in name resolution|Read timed out|Connection refused)"
+    )
+    cause = next((m[1].rstrip(") ") for line in lines if (m := network.search(line))), None)
+    return f"{last} (the package index is not reachable: {cause})" if cause else last
 
 
 def stamp_of(cfg: dict[str, str], patches: list[Path]) -> str:
@@ -484,6 +499,10 @@ def prepare(root: Path) -> str:
 
 def checkout(root: Path, k: str) -> str:
     tree = core_dir(root)
+    if not (tree / ".git" / STAMP).is_file():
+        raise TreeError(
+            f"{tree.name}/ does not exist or was not made by this tool: `nox -s prepare` builds it"
+        )
     n = len(git(tree, "rev-list", "base..series").stdout.split())
     if k == "all":
         k = str(n)
@@ -524,17 +543,17 @@ def _refresh(root: Path, tree: Path) -> str:
             f"it, `git checkout {rel}/`"
         )
     if git(tree, "status", "--porcelain", "--untracked-files=no").stdout.strip():
-        raise TreeError("airflow-core/ has uncommitted changes: commit them first (one commit per patch)")
+        raise TreeError(f"{tree.name}/ has uncommitted changes: commit them first (one commit per patch)")
     if git(tree, "merge-base", "--is-ancestor", "series", "HEAD", check=False).returncode:
         raise TreeError(
-            "airflow-core/ HEAD is not on top of the full series (branch series): refresh would drop the patches "
+            f"{tree.name}/ HEAD is not on top of the full series (branch series): refresh would drop the patches "
             "above it; `tree.py checkout all` and commit there, or rebase your commits onto series"
         )
     queue = patches_dir(root)
     old = [name for _, name in series_names(root)]
     if not git(tree, "rev-list", "base..HEAD").stdout.split() and old:
         raise TreeError(
-            f"no commit above base in airflow-core/: refusing to write an empty series ({len(old)} patch(es) now)"
+            f"no commit above base in {tree.name}/: refusing to write an empty series ({len(old)} patch(es) now)"
         )
     out = Path(tempfile.mkdtemp(prefix="patches.", dir=root))
     try:

@@ -99,14 +99,19 @@ def test_core_tier_is_the_patches_above_the_marker(project: Path, tmp_path: Path
     assert "# a second patch" not in scheduler
 
 
-@pytest.mark.parametrize("case", ["edited", "untracked", "partial"])
+@pytest.mark.parametrize("case", ["edited", "untracked", "partial", "other-base", "no-series-head"])
 def test_a_tree_that_is_not_exactly_the_series_is_refused(project: Path, tmp_path: Path, case: str):
     core = project / "airflow-core"
     git = ["git", "-C", str(core)]
+    stamps = {f: (core / ".git" / f).read_bytes() for f in ("series-stamp", "series-head")}
     if case == "edited":
         (core / SINK).write_text((core / SINK).read_text() + "# local edit\n")
     elif case == "untracked":
         (core / "notes.txt").write_text("mine\n")
+    elif case == "other-base":  # as tree.py stamps a tree of another base (its sdist's sha256 differs)
+        (core / ".git" / "series-stamp").write_text("0" * 64)
+    elif case == "no-series-head":  # a tree made before tree.py wrote .git/series-head
+        (core / ".git" / "series-head").unlink()
     else:
         subprocess.run([*git, "checkout", "-q", "--detach", "series~1"], check=True)
     try:
@@ -114,10 +119,14 @@ def test_a_tree_that_is_not_exactly_the_series_is_refused(project: Path, tmp_pat
     finally:
         subprocess.run([*git, "checkout", "-q", "-f", "series"], check=True)
         (core / "notes.txt").unlink(missing_ok=True)
+        for f, data in stamps.items():
+            (core / ".git" / f).write_bytes(data)
     assert {
         "edited": f"airflow-core/ has uncommitted changes ({SINK})",
         "untracked": "airflow-core/ has untracked files (notes.txt)",
         "partial": "airflow-core/ is a partial checkout (base + 1 of 2 patches)",
+        "other-base": "airflow-core/ was not built from 3.3.2 + patches/series (another base's tree",
+        "no-series-head": "airflow-core/ has no .git/series-head (made by an older tree.py)",
     }[case] in error
     assert not (tmp_path / "dist").exists()
 
@@ -139,3 +148,75 @@ def test_no_network_to_the_package_index_is_one_line_and_leaves_the_tree_alone(p
     assert not (tmp_path / "dist").exists()
     # the check of airflow-core/ neither rewrote its index nor took its index.lock
     assert (git_dir.stat().st_mtime_ns, (git_dir / "index").read_bytes()) == before
+
+
+def test_no_network_for_the_base_sdist_is_one_line_naming_the_index(project: Path, tmp_path: Path):
+    """An sdist not cached yet (a new base, a fresh machine) and no package index: pip's output was printed
+    whole (warnings, two ERROR lines) after the message (issue 31)."""
+    closed = "http://127.0.0.1:9/simple"
+    pip_env = {
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_FIND_LINKS": "",
+        "PIP_EXTRA_INDEX_URL": "",
+        "PIP_RETRIES": "1",
+    }
+    proc = run(project, "--dist", str(tmp_path / "dist"), XDG_CACHE_HOME=str(tmp_path / "cache"),
+               PIP_INDEX_URL=closed, **pip_env)  # fmt: skip
+    error = one_line_error(proc)
+    assert "could not download the sdist of apache-airflow-core==3.3.2 (pip download): No matching" in error
+    assert error.endswith("(the package index is not reachable: Failed to establish a new connection: "
+                          "[Errno 111] Connection refused)")  # fmt: skip
+    assert not (tmp_path / "dist").exists()
+
+
+@pytest.mark.parametrize("arg", ["missing.whl", "README.md", "--help"])
+def test_series_info_names_a_bad_argument_in_one_line(arg: str):
+    """A missing file, a file that is not a wheel, an option: a traceback before (issue 31)."""
+    proc = subprocess.run([sys.executable, str(INFO), arg], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode in (1, 2) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("series_info.py: " if arg != "--help" else "usage: series_info.py [WHEEL]")
+
+
+def test_a_bad_source_date_epoch_is_named(project: Path, tmp_path: Path):
+    """Before: "`uv build` failed: hint: Build failures usually indicate a problem with the package or the
+    build environment" (uv -q hid hatchling's ValueError) (issue 31)."""
+    error = one_line_error(run(project, "--dist", str(tmp_path / "dist"), SOURCE_DATE_EPOCH="abc"))
+    assert error == "build.py: SOURCE_DATE_EPOCH='abc' is not a number of seconds since 1970"
+    assert not (tmp_path / "dist").exists()
+
+
+def test_a_build_backend_failure_names_its_exception_not_uvs_hint():
+    sys.path.insert(0, str(ROOT / "scripts" / "ci"))
+    import build
+
+    stderr = (
+        'Traceback (most recent call last):\n  File "<string>", line 11, in <module>\n'
+        "ValueError: invalid literal for int() with base 10: 'abc'\n"
+        "error: Failed to build `/tmp/x/apache_airflow_core-3.3.2+series.1.abc/`\n"
+        "  cause: The build backend returned an error\n"
+        "  cause: Call to `hatchling.build.build_sdist` failed (exit status: 1)\n\n"
+        "hint: Build failures usually indicate a problem with the package or the build environment\n"
+    )
+    assert build.uv_error(stderr) == (
+        "Call to `hatchling.build.build_sdist` failed (exit status: 1): "
+        "ValueError: invalid literal for int() with base 10: 'abc'"
+    )
+
+
+def test_series_info_shows_a_backports_origin(tmp_path: Path):
+    """Patch 7 (backport of merged PR #67372) has no patches/upstream.toml entry: series_info printed no
+    upstream status for it at all, though the wheel records its Origin (issue 31)."""
+    entry = {"name": "p.patch", "subject": "Record history", "bug": [], "forwarded": ["not-needed"],
+             "applied-upstream": [], "origin": ["backport, https://github.com/apache/airflow/pull/67372"],
+             "upstream-status": None}  # fmt: skip
+    record = {"distribution": "apache-airflow-core", "version": "3.3.2+series.1.abc", "base": "3.3.2",
+              "tier": "all", "patches": [entry, {**entry, "origin": ["self"]}]}  # fmt: skip
+    wheel = tmp_path / "apache_airflow_core-3.3.2+series.1.abc-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("apache_airflow_core-3.3.2+series.1.abc.dist-info/extra_metadata/airflow-core-series.json",
+                   json.dumps(record))  # fmt: skip
+    shown = subprocess.run([sys.executable, str(INFO), str(wheel)], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[1].endswith("origin: backport, https://github.com/apache/airflow/pull/67372]"), lines
+    assert "origin" not in lines[2]

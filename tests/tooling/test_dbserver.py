@@ -181,7 +181,36 @@ def stop_leftovers(tmp: Path) -> None:
         ("postgresql://u@127.0.0.1:5/x?password=secretpw", "postgresql://u@127.0.0.1:5/x?***"),
         ("mysql+mysqldb://root@127.0.0.1:3306/airflow", "mysql+mysqldb://root@127.0.0.1:3306/airflow"),
         ("u:secretpw@127.0.0.1/x", "***"),
+        # a raw "?" in the password (SQLAlchemy's make_url takes it as part of the password)
+        ("postgresql://u:hunter2?x@127.0.0.1:5/x", "postgresql://u:***@127.0.0.1:5/x"),
+        ("postgresql://u:hun?ter@2@127.0.0.1:5/x?sslmode=require", "postgresql://u:***@127.0.0.1:5/x?***"),
+        ("postgresql://u@127.0.0.1:5/x?password=a?b", "postgresql://u@127.0.0.1:5/x?***"),
     ],
 )
 def test_masked_hides_every_form_of_password(dsn: str, shown: str):
     assert dbserver.masked(dsn) == shown
+
+
+def test_the_throwaway_mariadb_ignores_the_operators_client_settings(tmp_path: Path, monkeypatch):
+    """~/.my.cnf's [client] host (and MYSQL_HOST) sent the start-up ping and `CREATE DATABASE airflow` over TCP
+    to the operator's server; the throwaway server got no database (issue 31)."""
+    if not shutil.which("mariadbd") and not Path("/usr/sbin/mariadbd").exists():
+        pytest.skip("needs the mariadb-server package")
+    with socket.socket() as s:  # a port nothing listens on, standing for the operator's server
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / ".my.cnf").write_text(f"[client]\nhost=127.0.0.1\nport={port}\n")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("MYSQL_HOST", "127.0.0.1")
+    monkeypatch.setenv("MYSQL_TCP_PORT", str(port))
+    start = time.monotonic()
+    with dbserver.throwaway("mysql") as dsn:
+        started = time.monotonic() - start
+        ours = dsn.rsplit(":", 1)[1].split("/")[0]
+        sql = "SHOW DATABASES LIKE 'airflow'"
+        client = [shutil.which("mariadb") or "mysql", "--no-defaults", "--protocol=tcp", "-h127.0.0.1"]
+        shown = subprocess.run(
+            [*client, f"-P{ours}", "-uroot", "-N", "-e", sql], capture_output=True, text=True
+        )
+    assert started < 50, f"the start-up ping did not reach the throwaway server ({started:.0f} s)"
+    assert shown.stdout.split() == ["airflow"], shown.stderr

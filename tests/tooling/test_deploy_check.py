@@ -48,3 +48,15 @@ def test_no_network_to_the_package_index_is_one_line_naming_the_step(tmp_path: P
     assert "Failed to fetch: http://127.0.0.1:9/simple/" in line
     assert line.endswith("Connection refused (os error 111)")
     assert not list(temp.iterdir())  # its temporary folder (venv, AIRFLOW_HOME) is gone
+
+
+def test_a_file_that_is_not_a_wheel_is_named(tmp_path: Path):
+    """Before: a BadZipFile or StopIteration traceback (issue 31)."""
+    text, empty = tmp_path / "notes.whl", tmp_path / "empty.whl"
+    text.write_text("not a zip\n")
+    with zipfile.ZipFile(empty, "w") as z:
+        z.writestr("x.txt", "x")
+    assert f"{text}: not a wheel (File is not a zip file)" in error_line(run("--wheel", str(text)))
+    assert f"{empty}: not a wheel (no .dist-info/METADATA with a Version)" in error_line(
+        run("--wheel", str(empty))
+    )

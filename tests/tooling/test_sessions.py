@@ -284,3 +284,21 @@ def test_benchmark_run_directly_refuses_a_database_holding_airflow_data(tmp_path
     with engine.connect() as conn:
         assert conn.execute(text("SELECT dag_id FROM dag")).scalars().all() == ["prod"]
     engine.dispose()
+
+
+def test_an_async_dsn_in_the_environment_is_not_the_tests_async_engine(tmp_path: Path):
+    """An operator's exported AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC was Airflow's async engine in the
+    tests while the sync one was the session's throwaway database (issue 31)."""
+    (tmp_path / "showasync.py").write_text(
+        "def pytest_sessionstart(session):\n"
+        "    from airflow import settings\n\n"
+        "    print(f'\\nASYNC-DSN={settings.SQL_ALCHEMY_CONN_ASYNC}\\n', flush=True)\n"
+    )
+    operators = f"sqlite+aiosqlite:///{tmp_path}/operators.db"
+    proc = nox("-s", "tests-sqlite", "--", ONE_TEST, "-p", "showasync", "-s",
+               PYTHONPATH=str(tmp_path), AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC=operators)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC is ignored: the async engine uses the session's" in out
+    shown = next(line for line in out.splitlines() if line.startswith("ASYNC-DSN="))
+    assert "operators.db" not in shown and "/airflow-series-sqlite." in shown, shown

@@ -107,3 +107,26 @@ def test_each_base_has_its_own_tree_and_queue(project: Path):
     assert subprocess.run(log, capture_output=True, text=True).stdout.startswith("apache-airflow-core 3.1.8")
     assert snapshot(project / "airflow-core") == before
     assert "up to date: 3.3.2" in run_tree(project, "prepare").stdout
+
+
+def test_checkout_without_a_tree_is_one_line(project: Path):
+    """Before: git's two-line `fatal: cannot change to ...` (issue 31)."""
+    proc = run_tree(project, "checkout", "1")
+    assert proc.returncode == 1 and proc.stderr == (
+        "tree.py checkout: airflow-core/ does not exist or was not made by this tool: `nox -s prepare` builds it\n"
+    )
+
+
+def test_refresh_names_the_tree_of_the_selected_base(project: Path):
+    """Before: "airflow-core/ has uncommitted changes" for an edit in airflow-core-3.4.0b2/ (issue 31)."""
+    (project / "patches" / "3.4.0b2").mkdir()
+    (project / "patches" / "3.4.0b2" / "series").write_text(HEADER)
+    other = {"USE_AIRFLOW_VERSION": "3.4.0b2"}
+    assert run_tree(project, "prepare", env=other).returncode == 0
+    readme = project / "airflow-core-3.4.0b2" / "README.md"
+    readme.write_text(readme.read_text() + "# local edit\n")
+    proc = run_tree(project, "refresh", env=other)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("tree.py refresh: airflow-core-3.4.0b2/ has uncommitted changes"), (
+        proc.stderr
+    )
