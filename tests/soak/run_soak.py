@@ -196,7 +196,11 @@ def run_installed(args: argparse.Namespace, argv: list[str]) -> int:
     if not wheel.is_file():
         print(f"soak: --installed {args.installed}: no such wheel (`nox -s build` makes it)", file=sys.stderr)
         return 2
-    version = deploy_check.wheel_version(wheel)
+    try:
+        version = deploy_check.wheel_version(wheel)
+    except deploy_check.CheckFailed as e:
+        print(f"soak: --installed: {e}", file=sys.stderr)
+        return 2
     rest, skip = [], False
     for a in argv:  # the same soak, without the installation options
         if skip or a.startswith(("--installed=", "--installed-with=")):
@@ -208,7 +212,8 @@ def run_installed(args: argparse.Namespace, argv: list[str]) -> int:
     # Removed by the soak's own child at its end too: nox may SIGKILL this process right after a Ctrl-C.
     tmp = tempfile.mkdtemp(prefix="soak-installed.")
     try:
-        venv, env = Path(tmp) / "venv", dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
+        # Checked in an Airflow home of its own: `airflow version` would write into the caller's.
+        venv, env = Path(tmp) / "venv", deploy_check.operator_env(Path(tmp) / "home")
         try:
             py, pip = deploy_check.release_venv(venv, version.split("+", 1)[0], args.installed_with, env)
             deploy_check.run([pip, "install", "--no-deps", str(wheel)], env, "pip install --no-deps WHEEL")
