@@ -752,7 +752,12 @@ def test_failure_listener_dropped_when_create_session_is_interrupted(dag_maker, 
 
 @pytest.mark.guard
 def test_failure_listener_arguments(dag_maker, session, listener_manager):
-    """Listener arguments are unchanged: previous_state RUNNING, the task instance, the error."""
+    """
+    Listener arguments are unchanged: previous_state RUNNING, the task instance, the error.
+
+    3.4 keeps each try as a row of its own: the task instance the listener gets is the try that is archived
+    (``failed``) right after the call, and the next try is the row left ``up_for_retry``.
+    """
     (ti,) = make_running_tis(dag_maker, session, dag_id="listener_args")
     listener = CallListener()
     listener_manager(listener)
@@ -764,7 +769,11 @@ def test_failure_listener_arguments(dag_maker, session, listener_manager):
     assert call["previous_state"] == TaskInstanceState.RUNNING
     assert call["task_instance"] is ti
     assert call["error"] == "task failed (test)"
-    assert call["task_instance"].state == TaskInstanceState.UP_FOR_RETRY
+    if series._release(series.BASE_VERSION) >= (3, 4):
+        assert call["task_instance"].state == TaskInstanceState.FAILED
+        assert read_rows(*_key(ti)).state == TaskInstanceState.UP_FOR_RETRY
+    else:
+        assert call["task_instance"].state == TaskInstanceState.UP_FOR_RETRY
 
 
 @pytest.mark.guard
