@@ -45,10 +45,11 @@ from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from packaging.version import Version
 from sqlalchemy import event, func, select, text
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from airflow import settings
+from airflow import __version__ as airflow_version, settings
 from airflow._shared.timezones import timezone
 from airflow.callbacks.callback_requests import TaskCallbackRequest
 from airflow.callbacks.database_callback_sink import DatabaseCallbackSink
@@ -72,7 +73,7 @@ PATCH = "Write-callback-requests-in-the-caller-s-transaction.patch"
 # 3.4 fails each heartbeat-timed-out try in the purge's pass (#68008), and its handle_failure commits: the
 # purge keeps its locks only once the failure is written in the caller's transaction as well.
 P_FAIL_IN_TXN = "Fail-a-task-instance-in-the-caller-s-transaction.patch"
-ON_3_4 = series._release(series.BASE_VERSION) >= (3, 4)
+ON_3_4 = Version(airflow_version).release >= (3, 4)
 
 # Upper bound for every cross-thread wait in this module (seconds).
 TIMEOUT = 30
