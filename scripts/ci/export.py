@@ -117,9 +117,21 @@ def collect(root: Path, python: str) -> list[dict]:
         return json.loads(out.read_text())["items"]
 
 
-# Facts of the queue that the harness reads from patches/series, fixed in an export: every exported patch belongs
-# to series v3 (tests/unit/harness/series.py: ``V3``), and upstream has no series file to read them from.
-FIXED_AT_EXPORT = {"V3": "True  # series v3: the scheduler owns its transaction"}
+# Facts of the queue that the harness reads from patches/series, fixed in an export (upstream has no series file to
+# read them from): ``V3`` (tests/unit/harness/series.py), whether the queue carries the failure patch of series v3.
+# Every queue of a release carries it; the 3.4.0b2 queue not yet (fixed_at_export()).
+V3_PATCH = "Fail-a-task-instance-in-the-caller-s-transaction.patch"
+
+
+def fixed_at_export(root: Path) -> dict[str, str]:
+    """The harness's facts of the selected base's queue, as module-level definitions of an export."""
+    try:
+        v3 = V3_PATCH in {p.name for p in tree.series(root)}
+    except (tree.TreeError, OSError, KeyError):
+        v3 = True  # no series file (a project-less root): as the queues of the releases
+    return {
+        "V3": "True  # series v3: the scheduler owns its transaction" if v3 else "False  # not series v3 yet"
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -323,6 +335,7 @@ class Inliner:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.fixed = fixed_at_export(root)
         self.cache: dict[Path, tuple[str, ast.Module, dict[str, ast.stmt]]] = {}
 
     def parsed(self, path: Path) -> tuple[str, ast.Module, dict[str, ast.stmt]]:
@@ -453,9 +466,9 @@ class Inliner:
                 return
             if name in UPSTREAM_FIXTURES and isinstance(node, ast.FunctionDef):
                 return  # upstream's tests_common provides it (the project's harness mirrors it)
-            if name in FIXED_AT_EXPORT and name not in taken:
+            if name in self.fixed and name not in taken:
                 taken[name] = "def"
-                defs.append(f"{name} = {FIXED_AT_EXPORT[name]}")
+                defs.append(f"{name} = {self.fixed[name]}")
                 return
             if name in taken:
                 same = name in own and ast.dump(own[name]) == ast.dump(node)
