@@ -225,7 +225,10 @@ def build(root: Path, dist: Path, core: bool) -> list[Path]:
         dist.mkdir(parents=True, exist_ok=True)
         built = []
         for f in sorted(out.glob("apache_airflow_core-*")):
-            shutil.copyfile(f, dist / f.name)
+            # A copy cut short (Ctrl-C, a full disk) leaves no file under the final name.
+            part = dist / f".{f.name}.part"
+            shutil.copyfile(f, part)
+            os.replace(part, dist / f.name)
             built.append(dist / f.name)
     print(
         f"{cfg['package']} {version}: {cfg['version']} + {len(chosen)} patch(es); SOURCE_DATE_EPOCH={epoch}"
