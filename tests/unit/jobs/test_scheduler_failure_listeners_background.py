@@ -16,6 +16,7 @@ timeout. Before the patch the scheduler's step waits for each blocked call until
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
 
 import pytest
 from sqlalchemy import select
@@ -23,6 +24,7 @@ from sqlalchemy.orm.exc import DetachedInstanceError
 from sqlalchemy.pool import QueuePool
 
 from airflow import settings
+from airflow._shared.timezones import timezone
 from airflow.listeners import hookimpl
 from airflow.models.taskinstance import TaskInstance as TI
 from airflow.utils.session import create_session
@@ -113,11 +115,13 @@ def one_connection_pool(monkeypatch):
 
 
 @pytest.mark.proves(P_BACKGROUND)
+@pytest.mark.parametrize("path", ["executor_events", "heartbeat_timeout"])
 def test_hung_listeners_hold_no_connection_and_the_scheduler_goes_on(
-    dag_maker, session, scheduler_job_runner, listener_manager, one_connection_pool
+    dag_maker, session, scheduler_job_runner, listener_manager, one_connection_pool, path
 ):
     """
-    Three failed tries in one executor-event step, with a pool of one connection; the listener reads
+    Three failed tries in one scheduler step (the executor-event step, or the heartbeat-timeout pass
+    for three tries whose heartbeat is an hour old), with a pool of one connection; the listener reads
     ``task_instance.dag_run``, tries ``task_instance.queued_by_job`` (not loaded) and
     then hangs. The step returns and commits while the first call hangs, no connection is checked out
     while it hangs, and the scheduler's next step (the heartbeat-timeout pass, which queries) gets the
@@ -132,7 +136,10 @@ def test_hung_listeners_hold_no_connection_and_the_scheduler_goes_on(
     tis = []
     for i in range(3):
         (ti,) = make_running_tis(dag_maker, session, dag_id=f"bg_pool_{i}", queued_by_job_id=runner.job.id)
-        runner.executor.event_buffer[ti.key] = (FAILED, None)
+        if path == "executor_events":
+            runner.executor.event_buffer[ti.key] = (FAILED, None)
+        else:
+            ti.last_heartbeat_at = timezone.utcnow() - timedelta(hours=1)
         tis.append((ti.dag_id, ti.run_id))
     session.commit()
     session.close()
@@ -140,11 +147,14 @@ def test_hung_listeners_hold_no_connection_and_the_scheduler_goes_on(
     assert one_connection_pool.checkedout() == 0
     in_background(runner)
     try:
-        runner._process_events_of_executors()
+        if path == "executor_events":
+            runner._process_events_of_executors()
+        else:
+            runner._find_and_purge_task_instances_without_heartbeats()
         assert listener.started.wait(WAIT), "the listener was not called"
         assert listener.gave_up == 0, "the scheduler's step waited for the hung listener"
         assert settings.engine.pool.checkedout() == 0, "the hung listener holds a connection"
-        runner._find_and_purge_task_instances_without_heartbeats()  # the next step: one query
+        runner._find_and_purge_task_instances_without_heartbeats()  # the next step: it queries
         with create_session() as s:
             states = s.scalars(select(TI.state).where(TI.dag_id.in_([d for d, _ in tis]))).all()
         assert sorted(states) == [UP_FOR_RETRY] * 3
