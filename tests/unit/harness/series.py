@@ -69,7 +69,6 @@ V3_PATCH_OF = {
 
 # The v2 tail patches that no queue carries since every base is on series v3: their tests skip ("not in the series").
 V2_TAIL = (
-    "Call-on_task_instance_failed-listeners-in-a-background-thread.patch",
     "Hold-a-failed-executor-event-until-the-running-try-s-heartbeat-decides.patch",
     "Read-a-failing-task-instance-under-SQLite-s-write-lock.patch",
     "Give-up-on-an-executor-event-whose-handling-keeps-failing-in-the-DB.patch",
