@@ -145,3 +145,24 @@ def test_task_failed_listener_comes_before_dag_run_failed(
     made(runner)
     order = [e for e in listener.events if e[1] == "brk_order"]
     assert order == [("ti_failed", "brk_order"), ("dag_run_failed", "brk_order")]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="patch 13: _run catches Exception only; a call that raises SystemExit (or another BaseException) "
+    "ends the thread silently and every later call waits in the queue until it is full, then is dropped",
+)
+def test_a_listener_raising_system_exit_does_not_stop_later_calls():
+    from airflow.jobs import scheduler_job_runner
+
+    if not hasattr(scheduler_job_runner, "FailureListenerThread"):
+        pytest.skip("no background thread before the patch")
+    thread = scheduler_job_runner.FailureListenerThread()
+    later = threading.Event()
+
+    def exits() -> None:
+        raise SystemExit(1)
+
+    thread._queue.put_nowait(exits)
+    thread._queue.put_nowait(later.set)
+    assert later.wait(BLOCK), "the call queued after the one that raised SystemExit was not made"
