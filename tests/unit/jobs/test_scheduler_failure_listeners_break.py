@@ -75,7 +75,9 @@ class ReadingListener:
     "relationship (dag_model, dag_version, note, dag_run.dag_versions, ...) raises DetachedInstanceError, "
     "which the release and step 12 loaded (OpenLineage's dag_version/note facets become None)",
 )
-def test_listener_reads_relationships_besides_dag_run(dag_maker, session, scheduler_job_runner, listener_manager):
+def test_listener_reads_relationships_besides_dag_run(
+    dag_maker, session, scheduler_job_runner, listener_manager
+):
     listener = ReadingListener()
     listener_manager(listener)
     runner = scheduler_job_runner
@@ -126,7 +128,9 @@ def test_task_failed_listener_comes_before_dag_run_failed(
     listener_manager(listener)
     runner = scheduler_job_runner
     (slow,) = make_running_tis(dag_maker, session, dag_id="brk_slow", queued_by_job_id=runner.job.id)
-    (ti,) = make_running_tis(dag_maker, session, dag_id="brk_order", retries=0, queued_by_job_id=runner.job.id)
+    (ti,) = make_running_tis(
+        dag_maker, session, dag_id="brk_order", retries=0, queued_by_job_id=runner.job.id
+    )
     serialized = dag_maker.serialized_dag
     runner.executor.event_buffer[slow.key] = (FAILED, None)
     runner.executor.event_buffer[ti.key] = (FAILED, None)
