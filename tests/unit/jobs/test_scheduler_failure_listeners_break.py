@@ -1,0 +1,172 @@
+# Licensed under the Apache License, Version 2.0 (the "License"); see the Apache Airflow project.
+"""
+Review of the background listener thread (patch 13 on 3.3.2): behaviour a listener relied on before it.
+
+Each test passes at the step before the patch (listener calls made on the scheduler's thread, with the
+task instance attached to a session of its own while they run) and fails with it; marked
+``xfail(strict=True)`` with the reason until the patch is changed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm.exc import DetachedInstanceError
+
+from airflow.listeners import hookimpl
+from airflow.models.dagrun import DagRun
+from airflow.utils.state import TaskInstanceState
+
+from tests.unit.ti_race import make_running_tis
+
+pytestmark = pytest.mark.db_test
+
+FAILED = TaskInstanceState.FAILED
+WAIT = 30  # seconds: an upper bound for waits that should end at once
+BLOCK = 3  # seconds a blocked listener waits for its release before giving up
+
+
+def in_background(runner) -> None:
+    from airflow.jobs import scheduler_job_runner
+
+    if hasattr(scheduler_job_runner, "FailureListenerThread"):
+        runner.failure_listener_thread = scheduler_job_runner.FailureListenerThread()
+
+
+def made(runner) -> None:
+    thread = getattr(runner, "failure_listener_thread", None)
+    assert thread is None or thread.wait(WAIT), "the queued listener calls were not made"
+
+
+# What listeners in the wild read besides dag_run: OpenLineage 2.15 reads dag_run.dag_versions, dag_run.note
+# and dag_run.deadlines through safe_getattr (DetachedInstanceError -> None: facets silently empty).
+READS = {
+    "ti.dag_model": lambda ti: ti.dag_model.dag_id,
+    "ti.dag_version": lambda ti: ti.dag_version.version_number,
+    "ti.note": lambda ti: ti.note,
+    "dag_run.dag_versions": lambda ti: [v.version_number for v in ti.dag_run.dag_versions],
+    "dag_run.dag_model": lambda ti: ti.dag_run.dag_model.dag_id,
+    "dag_run.note": lambda ti: ti.dag_run.note,
+}
+
+
+class ReadingListener:
+    def __init__(self) -> None:
+        self.errors: dict[str, str] = {}
+        self.called = threading.Event()
+
+    @hookimpl
+    def on_task_instance_failed(self, previous_state, task_instance, error):
+        for name, read in READS.items():
+            try:
+                read(task_instance)
+            except DetachedInstanceError as e:
+                self.errors[name] = type(e).__name__
+            except Exception as e:  # recorded too: the hook's caller only logs what a listener raises
+                self.errors[name] = f"{type(e).__name__}: {e}"
+        self.called.set()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="patch 13: the listener gets a detached copy with only dag_run loaded; every other lazy "
+    "relationship (dag_model, dag_version, note, dag_run.dag_versions, ...) raises DetachedInstanceError, "
+    "which the release and step 12 loaded (OpenLineage's dag_version/note facets become None)",
+)
+def test_listener_reads_relationships_besides_dag_run(
+    dag_maker, session, scheduler_job_runner, listener_manager
+):
+    listener = ReadingListener()
+    listener_manager(listener)
+    runner = scheduler_job_runner
+    (ti,) = make_running_tis(dag_maker, session, dag_id="brk_reads", queued_by_job_id=runner.job.id)
+    runner.executor.event_buffer[ti.key] = (FAILED, None)
+    session.commit()
+    session.close()
+    in_background(runner)
+    runner._process_events_of_executors()
+    made(runner)
+    assert listener.called.is_set()
+    assert listener.errors == {}
+
+
+class OrderListener:
+    """Records hook calls in the order they start; the first on_task_instance_failed blocks."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.events: list[tuple[str, str]] = []
+        self.release = threading.Event()
+        self.first = True
+
+    @hookimpl
+    def on_task_instance_failed(self, previous_state, task_instance, error):
+        with self.lock:
+            self.events.append(("ti_failed", task_instance.dag_id))
+            block, self.first = self.first, False
+        if block:
+            self.release.wait(BLOCK)
+
+    @hookimpl
+    def on_dag_run_failed(self, dag_run, msg):
+        with self.lock:
+            self.events.append(("dag_run_failed", dag_run.dag_id))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="patch 13: on_task_instance_failed is queued behind a slow call while the scheduler's thread "
+    "goes on and calls on_dag_run_failed for the same run first (OpenLineage: dag run FAIL before the "
+    "task's FAIL); before, the task's call was made before the next scheduling step",
+)
+def test_task_failed_listener_comes_before_dag_run_failed(
+    dag_maker, session, scheduler_job_runner, listener_manager
+):
+    listener = OrderListener()
+    listener_manager(listener)
+    runner = scheduler_job_runner
+    (slow,) = make_running_tis(dag_maker, session, dag_id="brk_slow", queued_by_job_id=runner.job.id)
+    (ti,) = make_running_tis(
+        dag_maker, session, dag_id="brk_order", retries=0, queued_by_job_id=runner.job.id
+    )
+    serialized = dag_maker.serialized_dag
+    runner.executor.event_buffer[slow.key] = (FAILED, None)
+    runner.executor.event_buffer[ti.key] = (FAILED, None)
+    session.commit()
+    session.close()
+    in_background(runner)
+    try:
+        runner._process_events_of_executors()
+        # the scheduler's next step: the dag run of the failed task instance is failed on its thread
+        dr = session.scalars(select(DagRun).where(DagRun.dag_id == "brk_order")).one()
+        dr.dag = serialized
+        dr.update_state(session=session)
+        session.commit()
+    finally:
+        listener.release.set()
+    made(runner)
+    order = [e for e in listener.events if e[1] == "brk_order"]
+    assert order == [("ti_failed", "brk_order"), ("dag_run_failed", "brk_order")]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="patch 13: _run catches Exception only; a call that raises SystemExit (or another BaseException) "
+    "ends the thread silently and every later call waits in the queue until it is full, then is dropped",
+)
+def test_a_listener_raising_system_exit_does_not_stop_later_calls():
+    from airflow.jobs import scheduler_job_runner
+
+    if not hasattr(scheduler_job_runner, "FailureListenerThread"):
+        pytest.skip("no background thread before the patch")
+    thread = scheduler_job_runner.FailureListenerThread()
+    later = threading.Event()
+
+    def exits() -> None:
+        raise SystemExit(1)
+
+    thread._queue.put_nowait(exits)
+    thread._queue.put_nowait(later.set)
+    assert later.wait(BLOCK), "the call queued after the one that raised SystemExit was not made"
