@@ -117,6 +117,12 @@ _MODULE_OF_PATCH = {
     "jobs/test_scheduler_failure_listeners_background.py": (
         "Call-on_task_instance_failed-listeners-in-a-background-thread.patch"
     ),
+    "jobs/test_scheduler_failure_listeners_background_reads.py": (
+        "Call-on_task_instance_failed-listeners-in-a-background-thread.patch"
+    ),
+    "jobs/test_scheduler_failure_listeners_background_openlineage.py": (
+        "Call-on_task_instance_failed-listeners-in-a-background-thread.patch"
+    ),
     "models/test_taskinstance_sqlite_write_lock.py": "Read-a-failing-task-instance-under-SQLite-s-write-lock.patch",
     "models/test_taskinstance_sqlite_write_lock_busy.py": "Read-a-failing-task-instance-under-SQLite-s-write-lock.patch",
     "models/test_taskinstance_sqlite_write_lock_order.py": "Read-a-failing-task-instance-under-SQLite-s-write-lock.patch",

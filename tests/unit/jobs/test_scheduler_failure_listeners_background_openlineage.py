@@ -20,12 +20,7 @@ from tests.unit.ti_race import make_running_tis
 pytestmark = pytest.mark.db_test
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="patch 13: OpenLineage reads dag_run.dag_versions through safe_getattr; on the detached copy it "
-    "raises DetachedInstanceError, so the FAIL event's dag_version_id/number and dag_bundle_name are None "
-    "(step 12: filled)",
-)
+@pytest.mark.guard
 def test_openlineage_fail_event_keeps_the_dag_version(
     dag_maker, session, scheduler_job_runner, listener_manager, tmp_path, monkeypatch
 ):
