@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from airflow.jobs.scheduler_job_runner import SchedulerJobRunner
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit.ti_race import make_running_tis
@@ -21,6 +22,10 @@ pytestmark = pytest.mark.db_test
 
 
 @pytest.mark.guard
+@pytest.mark.skipif(
+    not hasattr(SchedulerJobRunner, "_process_events_of_executors"),
+    reason="the executor-event step comes with the executor-event patch",
+)
 def test_openlineage_fail_event_keeps_the_dag_version(
     dag_maker, session, scheduler_job_runner, listener_manager, tmp_path, monkeypatch
 ):
