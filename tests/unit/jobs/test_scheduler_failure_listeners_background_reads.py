@@ -20,6 +20,7 @@ from airflow.listeners import hookimpl
 from airflow.models.dagrun import DagRun
 from airflow.utils.state import TaskInstanceState
 
+from tests.unit.jobs.test_scheduler_failure_listeners_background import in_background, made
 from tests.unit.ti_race import make_running_tis
 
 pytestmark = pytest.mark.db_test
@@ -29,18 +30,7 @@ _HAS_THREAD = hasattr(scheduler_job_runner, "FailureListenerThread")
 _HAS_STEP = hasattr(scheduler_job_runner.SchedulerJobRunner, "_process_events_of_executors")
 
 FAILED = TaskInstanceState.FAILED
-WAIT = 30  # seconds: an upper bound for waits that should end at once
 BLOCK = 3  # seconds a blocked listener waits for its release before giving up
-
-
-def in_background(runner) -> None:
-    if hasattr(scheduler_job_runner, "FailureListenerThread"):
-        runner.failure_listener_thread = scheduler_job_runner.FailureListenerThread()
-
-
-def made(runner) -> None:
-    thread = getattr(runner, "failure_listener_thread", None)
-    assert thread is None or thread.wait(WAIT), "the queued listener calls were not made"
 
 
 # What listeners in the wild read besides dag_run: OpenLineage 2.15 reads dag_run.dag_versions, dag_run.note
