@@ -82,26 +82,21 @@ def test_listener_reads_relationships_besides_dag_run(
 
 
 class OrderListener:
-    """Records hook calls in the order they start; the first on_task_instance_failed blocks."""
+    """Records hook calls in the order they start; the call for ``brk_slow`` blocks until released."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.events: list[tuple[str, str]] = []
+        self.blocked = threading.Event()
         self.release = threading.Event()
-        self.first = True
 
     @hookimpl
     def on_task_instance_failed(self, previous_state, task_instance, error):
         with self.lock:
             self.events.append(("ti_failed", task_instance.dag_id))
-            block, self.first = self.first, False
-        if block:
-            self.release.wait(BLOCK)
-
-    @hookimpl
-    def on_dag_run_failed(self, dag_run, msg):
-        with self.lock:
-            self.events.append(("dag_run_failed", dag_run.dag_id))
+        if task_instance.dag_id == "brk_slow":
+            self.blocked.set()
+            self.release.wait(30)  # released by the test's finally; the bound only ends a broken test
 
 
 @pytest.mark.skipif(not _HAS_THREAD, reason="no background listener thread before patch 13")
@@ -123,11 +118,14 @@ def test_task_failed_listener_comes_before_dag_run_failed(
     )
     serialized = dag_maker.serialized_dag
     runner.executor.event_buffer[slow.key] = (FAILED, None)
-    runner.executor.event_buffer[ti.key] = (FAILED, None)
     session.commit()
     session.close()
     in_background(runner)
     try:
+        runner._process_events_of_executors()
+        assert listener.blocked.wait(30), "the slow listener call did not start"
+        # the slow call runs (blocked); the task's failure is committed and its call queued behind it
+        runner.executor.event_buffer[ti.key] = (FAILED, None)
         runner._process_events_of_executors()
         # the scheduler's next step: the dag run of the failed task instance is failed on its thread
         dr = session.scalars(select(DagRun).where(DagRun.dag_id == "brk_order")).one()
