@@ -302,3 +302,67 @@ def test_killed_runner_event_of_a_row_another_transaction_holds_waits_for_no_loc
     other_session.rollback()
     executor_event(runner, ti, SUCCESS, runner_exit(SIGKILL_EXIT))
     assert callbacks_of_try(ti) == [FAILED]
+
+
+
+P_KILLED_RUNNING = "Fail-a-running-try-at-the-event-of-its-killed-task-runner.patch"
+
+
+def _rescheduled_once(session, ti) -> None:
+    """An earlier poke of ``ti``'s try recorded UP_FOR_RESCHEDULE: a ``task_reschedule`` row of the try."""
+    from airflow._shared.timezones import timezone as tz
+    from airflow.models.taskreschedule import TaskReschedule
+
+    now = tz.utcnow()
+    session.add(
+        TaskReschedule(
+            ti.id,
+            start_date=now - timedelta(seconds=10),
+            end_date=now - timedelta(seconds=9),
+            reschedule_date=now - timedelta(seconds=5),
+        )
+    )
+    session.commit()
+
+
+@pytest.mark.proves(P_KILLED_RUNNING)
+@pytest.mark.parametrize("poked", [False, True], ids=["task", "later-poke"])
+def test_runner_killed_on_an_earlier_try_fails_the_try_at_its_event(
+    dag_maker, session, scheduler_job_runner, poked
+):
+    """
+    Review defect 6: a signal kills the task runner of a try with a retry left (an OOM kill). task-sdk's
+    supervisor reports nothing for it (``tests/unit/jobs/test_killed_task_runner_real_supervisor.py``),
+    so the try is running, its heartbeat seconds old, when LocalExecutor's event (``success``, exit code
+    -9) arrives. The event fails the try with its retry callback at once: for a plain task (the event of
+    a running try that heartbeats was left to the heartbeat-timeout check, 300 s by default) and for a
+    reschedule sensor's later poke (the try's ``task_reschedule`` row made the event stale). In the same
+    step the event of another such try whose runner exited 0 or 1 (an earlier poke, another process)
+    still leaves that try running.
+    """
+    runner = scheduler_job_runner
+    name = "poke" if poked else "task"
+    killed, other_0, other_1 = (
+        running_try(
+            dag_maker, session, f"{what}_{name}", retries=1, try_number=1,
+            queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
+        )  # fmt: skip
+        for what in ("killed", "exit_0", "exit_1")
+    )
+    if poked:
+        for ti in (killed, other_0, other_1):
+            _rescheduled_once(session, ti)
+    runner.executor.event_buffer[killed.key] = (SUCCESS, runner_exit(SIGKILL_EXIT))
+    runner.executor.event_buffer[other_0.key] = (SUCCESS, None)
+    runner.executor.event_buffer[other_1.key] = (SUCCESS, runner_exit(1))
+
+    with settings.NonScopedSession() as s:  # at once: every try's heartbeat is fresh
+        runner._process_executor_events(executor=runner.executor, session=s)
+        s.commit()
+
+    assert [committed_state(ti) for ti in (killed, other_0, other_1)] == [
+        UP_FOR_RETRY,
+        TaskInstanceState.RUNNING,
+        TaskInstanceState.RUNNING,
+    ]
+    assert [callbacks_of_try(ti) for ti in (killed, other_0, other_1)] == [[UP_FOR_RETRY], [], []]
