@@ -304,7 +304,6 @@ def test_killed_runner_event_of_a_row_another_transaction_holds_waits_for_no_loc
     assert callbacks_of_try(ti) == [FAILED]
 
 
-
 P_KILLED_RUNNING = "Fail-a-running-try-at-the-event-of-its-killed-task-runner.patch"
 
 
@@ -344,8 +343,13 @@ def test_runner_killed_on_an_earlier_try_fails_the_try_at_its_event(
     name = "poke" if poked else "task"
     killed, other_0, other_1 = (
         running_try(
-            dag_maker, session, f"{what}_{name}", retries=1, try_number=1,
-            queued_by_job_id=runner.job.id, **BOTH_CALLBACKS,
+            dag_maker,
+            session,
+            f"{what}_{name}",
+            retries=1,
+            try_number=1,
+            queued_by_job_id=runner.job.id,
+            **BOTH_CALLBACKS,
         )  # fmt: skip
         for what in ("killed", "exit_0", "exit_1")
     )
