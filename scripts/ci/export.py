@@ -21,8 +21,9 @@ Export patches of the series as what upstream pull requests need.
   that it runs in upstream's harness; what cannot be copied is reported (``project-only names left``),
   so is a definition computing a path from its own ``__file__`` (it would name another place once copied).
 * No newsfragment of its own: a patch that carries one (``airflow-core/newsfragments/``) exports it.
-* ``PR.md`` title and description drafted from the commit message: what and why, upstream status and
-  related upstream work (``patches/upstream.toml``), dependencies, tests (and the upstream module each
+* ``PR.md`` title and description drafted from the commit message: what and why, the code it was made
+  against and what upstream main (3.4.0b2) has of it (``patches/upstream.toml``: ``[bases."<version>"]
+  made-against``, a patch's ``on-main``), upstream status and related upstream work (``patches/upstream.toml``), dependencies, tests (and the upstream module each
   belongs in), verification (fail-before / pass-after per backend and the server, read from
   ``nox -s verify-series-<db>`` output saved with ``| tee LOG`` and given with ``--verify LOG``), and what
   to check before opening the PR.
@@ -1022,10 +1023,17 @@ def description(
             "the patches it does not depend on textually may still be needed for a test's scenario."
         )
     status = "\n".join(f"- {key}: {value}" for key, value in msg.trailers)
+    version = tree.base_config(root)["version"]
+    made_against = [
+        notes.get("bases", {}).get(version, {}).get("made-against", f"apache-airflow-core {version} (PyPI sdist).")
+    ]
+    if on_main := mine.get("on-main"):
+        made_against.append(f"**On upstream main:** {on_main.strip()}")
     parts = [
         f"# {msg.subject}",
         what,
         reference,
+        "## Made against\n\n" + "\n\n".join(m.strip() for m in made_against),
         "## Upstream status and related work\n\n" + "\n\n".join(upstream) if upstream else "",
         "## Depends on\n\n" + "\n".join(depends),
         "## Tests\n\nRegression tests (upstream paths; they use only the fixtures and markers upstream's "

@@ -723,3 +723,23 @@ def test_a_fixture_of_a_harness_module_registered_by_the_conftest_is_inlined(har
     pr = (out / "PR.md").read_text()
     assert "other_session (from tests/unit/harness/db.py)" in pr
     assert "project-only names left: none" in pr
+
+
+def test_pr_says_what_it_was_made_against_and_what_main_has(project: Path):
+    """The PR names the code it was made against (the base's entry in patches/upstream.toml, else the
+    release) and, where the patch has one, what upstream main has of it."""
+    pr = (export(project, FIRST) / "PR.md").read_text()
+    assert "## Made against\n\napache-airflow-core 3.3.2 (PyPI sdist).\n" in pr
+    notes = project / "patches" / "upstream.toml"
+    notes.write_text(
+        '[bases."3.3.2"]\nmade-against = "the 3.3.2 release; main is 3.4.0b2\'s code."\n'
+        f'[patches."{FIRST}"]\non-main = "a backport: main has it since #68008."\n'
+    )
+    try:
+        pr = (export(project, FIRST) / "PR.md").read_text()
+    finally:
+        notes.unlink()
+    assert (
+        "## Made against\n\nthe 3.3.2 release; main is 3.4.0b2's code.\n\n"
+        "**On upstream main:** a backport: main has it since #68008.\n" in pr
+    )
