@@ -1024,9 +1024,8 @@ def description(
         )
     status = "\n".join(f"- {key}: {value}" for key, value in msg.trailers)
     version = tree.base_config(root)["version"]
-    made_against = [
-        notes.get("bases", {}).get(version, {}).get("made-against", f"apache-airflow-core {version} (PyPI sdist).")
-    ]
+    base_note = notes.get("bases", {}).get(version, {})
+    made_against = [base_note.get("made-against", f"apache-airflow-core {version} (PyPI sdist).")]
     if on_main := mine.get("on-main"):
         made_against.append(f"**On upstream main:** {on_main.strip()}")
     parts = [
