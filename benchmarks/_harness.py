@@ -429,6 +429,35 @@ def make_runner():
     return runner
 
 
+def process_executor_events(runner) -> None:
+    """One executor-event step as the scheduler loop runs it.
+
+    Series v3 has ``_process_events_of_executors()``: one transaction, committed there, the listener
+    calls made after the commit (on ``runner.failure_listener_thread`` where set). Older trees (the
+    base): ``_process_executor_events`` inside ``create_session()``, as their loop runs it.
+    """
+    step = getattr(runner, "_process_events_of_executors", None)
+    if step is not None:
+        step()
+        return
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        runner._process_executor_events(runner.executor, session)
+
+
+def start_failure_listener_thread(runner):
+    """Give ``runner`` the listener thread that ``SchedulerJobRunner._execute`` gives it (series v3's
+    operator tail, ``FailureListenerThread``); None where the tree has none."""
+    from airflow.jobs import scheduler_job_runner
+
+    cls = getattr(scheduler_job_runner, "FailureListenerThread", None)
+    if cls is None or not hasattr(runner, "failure_listener_thread"):
+        return None
+    runner.failure_listener_thread = cls()
+    return runner.failure_listener_thread
+
+
 def reset_executor(executor) -> None:
     executor.callbacks_sent.clear()
     executor.state_changes.clear()

@@ -21,7 +21,6 @@ H = W.H
 from sqlalchemy import select  # noqa: E402
 from airflow import settings  # noqa: E402
 from airflow.models.taskinstance import TaskInstance as TI  # noqa: E402
-from airflow.utils.session import create_session  # noqa: E402
 from airflow.utils.state import TaskInstanceState  # noqa: E402
 
 H.reset_schema()
@@ -38,8 +37,7 @@ settings.Session.remove()
 for key in keys:
     runner.executor.event_buffer[key] = (TaskInstanceState.FAILED, None)
 with H.StatementRecorder(settings.engine, width=120, commit_marker="--COMMIT--") as rec:
-    with create_session() as session:
-        runner._process_executor_events(runner.executor, session)
+    H.process_executor_events(runner)
 stmts = rec.statements
 n = len([x for x in stmts if x != "--COMMIT--"])
 print(f"== {n} statements, {rec.commits} commits for {len(keys)} FAILED events")

@@ -28,7 +28,6 @@ H = W.H
 from sqlalchemy import event  # noqa: E402
 from airflow import settings  # noqa: E402
 from airflow.models.taskinstance import TaskInstance as TI  # noqa: E402
-from airflow.utils.session import create_session  # noqa: E402
 
 n, dump = int(sys.argv[2]), sys.argv[3]
 
@@ -85,8 +84,7 @@ with H.SqlCounter(settings.engine, threads={threading.get_ident()}) as c, H.Phas
         prof.enable()
     runner._find_and_purge_task_instances_without_heartbeats()
     settings.Session.remove()
-    with create_session() as session:
-        runner._process_executor_events(runner.executor, session)
+    H.process_executor_events(runner)
     prof.disable()
     wall, cpu, server1 = time.perf_counter() - t0, time.process_time() - cpu0, server_cpu()
 server = f", {server1 - server0:.2f} s CPU of its server backends" if server0 is not None else ""

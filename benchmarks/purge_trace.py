@@ -18,7 +18,6 @@ import worker as W  # noqa: E402  (sets up the environment before airflow is imp
 H = W.H
 from airflow import settings  # noqa: E402
 from airflow.models.taskinstance import TaskInstance as TI  # noqa: E402
-from airflow.utils.session import create_session  # noqa: E402
 
 H.reset_schema()
 H.clear_db()
@@ -38,8 +37,7 @@ with H.StatementRecorder(settings.engine, width=140) as rec:
     settings.Session.remove()
     purge = (list(rec.statements), rec.commits)
     rec.clear()
-    with create_session() as session:
-        runner._process_executor_events(runner.executor, session)
+    H.process_executor_events(runner)
     events = (list(rec.statements), rec.commits)
 for name, (ss, c) in (("purge pass", purge), ("its executor events", events)):
     print(f"== {name}: {len(ss)} statements, {c} commits (N=10)")

@@ -224,8 +224,7 @@ def bench_purge(sizes: list[int], repeats: dict[int, int]) -> list[dict]:
                 H.PhaseMeter(settings.engine) as fm,
             ):
                 t0 = time.perf_counter()
-                with create_session() as session:
-                    runner._process_executor_events(runner.executor, session)
+                H.process_executor_events(runner)
                 f_dt = time.perf_counter() - t0
             settings.Session.remove()
             running_after, cb_after = running_and_callback_rows()
@@ -340,8 +339,7 @@ def bench_listener(latencies: list[float], repeats: int, paths: list[str]) -> li
                             with settings.NonScopedSession() as s:
                                 ti = s.scalar(select(TI).where(TI.dag_id == key[0], TI.run_id == key[2]))
                                 runner.executor.event_buffer[ti.key] = (FAILED, None)
-                            with create_session() as session:
-                                runner._process_executor_events(runner.executor, session)
+                            H.process_executor_events(runner)
                     except Exception as e:
                         err = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     t1 = time.perf_counter()
@@ -501,6 +499,22 @@ def bench_concurrent(
         background = getattr(runner, "failure_listeners_in_background", None)
         listener_calls = contextlib.ExitStack()
         in_background = listener_calls.enter_context(background()) if background is not None else None
+        # Series v3 (operator tail): the one listener thread that `_execute` gives the runner.
+        v3_thread = H.start_failure_listener_thread(runner)
+        # Series v3's step rolls back a failed transaction and puts the events back (no crash): count
+        # the exceptions that leave `_process_executor_events` inside it.
+        rolled_back: dict[str, int] = {}
+        if hasattr(runner, "_process_events_of_executors"):
+            inner = runner._process_executor_events
+
+            def counted(*a, **kw):
+                try:
+                    return inner(*a, **kw)
+                except Exception as e:
+                    rolled_back[type(e).__name__] = rolled_back.get(type(e).__name__, 0) + 1
+                    raise
+
+            runner._process_executor_events = counted
         me = threading.get_ident()
         sched_time = 0.0
         events = handled = crashes = 0
@@ -583,8 +597,7 @@ def bench_concurrent(
                         api_wait += wait_for_api(i)
                     for _attempt in range(3):  # events skipped (locked) stay in the buffer: next loop
                         try:
-                            with create_session() as session:
-                                runner._process_executor_events(runner.executor, session)
+                            H.process_executor_events(runner)
                         except Exception as e:
                             crashes += 1
                             name = type(e).__name__
@@ -647,8 +660,12 @@ def bench_concurrent(
                         not_handled[name] = not_handled.get(name, 0) + 1
                     leftover.clear()
         queued_at_end = len(in_background.pending) if in_background is not None else 0
+        if v3_thread is not None:
+            queued_at_end = v3_thread._queue.qsize()
         calls_by_end = len(LISTENER.calls)  # the queued ones above that run in the shutdown wait: not these
         listener_calls.close()  # the scheduler's shutdown: waits up to 5 s for queued calls
+        if v3_thread is not None:
+            v3_thread.wait(timeout=30)  # as `_execute` does at exit
         api_engine.dispose()
         examples = api.pop("api_error_examples", [])
         out.append(
@@ -677,7 +694,8 @@ def bench_concurrent(
                 "api_lock_wait_s": api_counter.lock_wait_s,
                 "sched_commits": sched_counter.commits,
                 "sched_statements": sched_counter.statements,
-                "listeners_in_background": in_background is not None,
+                "listeners_in_background": in_background is not None or v3_thread is not None,
+                "rolled_back_steps": rolled_back,
                 "listener_calls": len(LISTENER.calls),
                 "listener_calls_queued_at_end": queued_at_end,
                 "listener_calls_by_end": calls_by_end,
@@ -686,7 +704,8 @@ def bench_concurrent(
         r = out[-1]
         print(
             f"  concurrent ({order}) listener={latency}s: {rounds} rounds, {handled}/{events} events in "
-            f"{sched_time:.1f}s = {r['events_per_s']:.1f}/s, crashes={crashes} {crash_types}, api={api}, "
+            f"{sched_time:.1f}s = {r['events_per_s']:.1f}/s, crashes={crashes} {crash_types}, "
+            f"rolled back={rolled_back}, api={api}, "
             f"outcomes={outcomes}, not handled within 3 passes={not_handled}",
             flush=True,
         )
@@ -914,8 +933,7 @@ def _bench_slow_listener(latency: float, n: int, hang: float, hang_timeout: floa
                 perform_heartbeat(
                     runner.job, heartbeat_callback=runner.heartbeat_callback, only_if_necessary=True
                 )
-                with create_session() as session:
-                    runner._process_executor_events(runner.executor, session)
+                H.process_executor_events(runner)
                 iterations.append(time.perf_counter() - it0)
                 if kind == "hang" or DELIVERY.all_done.is_set() or time.perf_counter() > deadline:
                     break
