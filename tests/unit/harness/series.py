@@ -114,6 +114,9 @@ _MODULE_OF_PATCH = {
     "jobs/test_task_runner_startup_failure_real_supervisor.py": (
         "Request-the-failure-callback-of-a-last-try-whose-task-runner-was-killed.patch"
     ),
+    "jobs/test_scheduler_killed_runner_running_try_review.py": (
+        "Fail-a-running-try-at-the-event-of-its-killed-task-runner.patch"
+    ),
     "jobs/test_scheduler_failure_listeners_background.py": (
         "Call-on_task_instance_failed-listeners-in-a-background-thread.patch"
     ),
