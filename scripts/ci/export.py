@@ -869,7 +869,7 @@ def prerequisites(repo: Path, patches: list[Path], patch: Path, declared: list[P
 
 def declared_needs(root: Path, patches: list[Path], patch: Path) -> list[Path]:
     """The earlier patches ``patches/upstream.toml`` says ``patch``'s tests need (``needs = [...]``)."""
-    names = upstream_notes(root).get("patches", {}).get(patch.name, {}).get("needs", [])
+    names = patch_notes(root, patch).get("needs", [])
     earlier = {p.name: p for p in patches[: patches.index(patch)]}
     unknown = [n for n in names if n not in earlier]
     if unknown:
@@ -883,6 +883,15 @@ def upstream_notes(root: Path) -> dict:
     """``patches/upstream.toml``: per-patch relation to upstream work, shared context, upstream test modules."""
     path = root / "patches" / "upstream.toml"
     return tomllib.loads(path.read_text()) if path.is_file() else {}
+
+
+def patch_notes(root: Path, patch: Path) -> dict:
+    """``patch``'s table in ``patches/upstream.toml``. A patch of a base's own queue (``patches/<base>/``) reads
+    its ``[patches."<name>".bases."<base>"]`` keys over the shared ones (its ``needs`` name that queue's patches)."""
+    notes = upstream_notes(root).get("patches", {}).get(patch.name, {})
+    if patch.parent.name == "patches":
+        return notes
+    return {**notes, **notes.get("bases", {}).get(patch.parent.name, {})}
 
 
 def write_export(root: Path, name: str, out: Path, logs: list[Path], items: list[dict]) -> Exported:
@@ -977,7 +986,7 @@ def description(
     reference = "\n".join(r for r in references if r)
     what = "\n".join(body).strip()
     notes = upstream_notes(root)
-    mine = notes.get("patches", {}).get(result.name, {})
+    mine = patch_notes(root, next(p for p in patches if p.name == result.name))
     upstream = []
     if status := mine.get("status"):
         upstream.append(f"**Status:** {status.strip()}")

@@ -743,3 +743,20 @@ def test_pr_says_what_it_was_made_against_and_what_main_has(project: Path):
         "## Made against\n\nthe 3.3.2 release; main is 3.4.0b2's code.\n\n"
         "**On upstream main:** a backport: main has it since #68008.\n" in pr
     )
+
+
+def test_a_base_queue_reads_its_own_needs(tmp_path: Path):
+    """``needs`` of a patch in a base's own queue (``patches/<base>/``) come from its ``bases."<base>"`` table;
+    the default queue keeps the shared ones."""
+    import export
+
+    (tmp_path / "patches").mkdir()
+    (tmp_path / "patches" / "upstream.toml").write_text(
+        '[patches."b.patch"]\nneeds = ["x.patch"]\nstatus = "s"\n'
+        '[patches."b.patch".bases."3.4.0b2"]\nneeds = ["a.patch"]\n'
+    )
+    default = export.patch_notes(tmp_path, tmp_path / "patches" / "b.patch")
+    assert (default["needs"], default["status"]) == (["x.patch"], "s")
+    base = [tmp_path / "patches" / "3.4.0b2" / name for name in ("a.patch", "b.patch")]
+    assert export.declared_needs(tmp_path, base, base[1]) == [base[0]]
+    assert export.patch_notes(tmp_path, base[1])["status"] == "s"

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import pytest
 from packaging.version import Version
-from sqlalchemy import update
+from sqlalchemy import func, select, update
 
 from airflow import __version__ as airflow_version, settings
 from airflow.models.taskinstance import TaskInstance as TI
+from airflow.models.taskreschedule import TaskReschedule
 from airflow.utils.state import TaskInstanceState
 
+from tests.unit.harness import env
 from tests.unit.ti_race import (
     WAIT,
     Pause,
@@ -43,12 +45,28 @@ from tests.unit.ti_race import (
 pytestmark = pytest.mark.db_test
 
 P_WRITE_FIRST = "Reschedule-a-task-instance-only-while-it-is-running.patch"
+P_ROW_LOCK = "Lock-the-task-instance-row-when-handling-its-failure.patch"
+ON_3_4 = Version(airflow_version).release >= (3, 4)
+# The route's answer to a reschedule of a try the retry won: 404 (new id) or 409; 3.4 archives the try in
+# place and answers 410 Gone for an archived try.
+REFUSED = (404, 409, 410) if ON_3_4 else (404, 409)
 
 # The route's read of the task instance (the ``old`` select of ti_update_state).
 API_READS_TI = r"^\s*SELECT task_instance\.state, task_instance\.try_number, task_instance\.max_tries\b"
 
 
-@pytest.mark.proves(P_WRITE_FIRST, base_ok_on=("postgres", "mysql"))
+def _reschedule_rows_of(ti_id) -> int:
+    """How many ``task_reschedule`` rows the try ``ti_id`` has, archived or not."""
+    with settings.NonScopedSession() as s:
+        return s.scalar(select(func.count()).select_from(TaskReschedule).where(TaskReschedule.ti_id == ti_id))
+
+
+# 3.4, MariaDB: failure handling, which read the try running without a lock, waits for the API's row lock
+# and then retries the try over the committed reschedule (the row-lock patch's lost update; that patch is
+# not in the 3.4 queue, docs/3.4.md): not this patch's bug there.
+@pytest.mark.proves(
+    P_ROW_LOCK if ON_3_4 and env.BACKEND == "mysql" else P_WRITE_FIRST, base_ok_on=("postgres", "mysql")
+)
 def test_reschedule_read_before_retry_preparation_commits(dag_maker, session, scheduler_job_runner, api):
     runner = scheduler_job_runner
     (ti,) = make_running_tis(
@@ -86,7 +104,9 @@ def test_reschedule_read_before_retry_preparation_commits(dag_maker, session, sc
     assert status != 500, f"the reschedule answered 500 (task_reschedule FK violation): {rows}"
     assert all(ti_id_ == rows.ti_id for ti_id_ in rows.reschedule_ti_ids), f"orphan reschedule: {rows}"
     if retried_first:
-        assert status in (404, 409), f"the reschedule of a retried try answered {status}: {rows}"
+        # read_rows leaves out the rows of an archived try (3.4): none may be the reschedule's.
+        assert _reschedule_rows_of(ti_id) == 0, f"a task_reschedule row of the retried try ({status}): {rows}"
+        assert status in REFUSED, f"the reschedule of a retried try answered {status}: {rows}"
         assert rows.state == TaskInstanceState.UP_FOR_RETRY, rows
         assert rows.ti_id != ti_id, rows
         assert rows.reschedule_ti_ids == [], rows
