@@ -4,7 +4,9 @@ What a failure listener relied on before the background listener thread (patch 1
 
 The relationships OpenLineage reads stay readable (a guard: it passes at step 12 and failed with the first
 version of patch 13); a listener's SystemExit does not end the thread; the order of the task's and the run's
-failure calls behind a slow call is a known limitation (xfail, strict).
+failure calls behind a slow call is a known limitation (xfail, strict). Without a failure listener the thread
+reads nothing (a guard: it passes at step 12 and failed with the patch as it was until 2026-12-06, which loaded
+what listeners read for every failure: 5 statements a failed task instance in the purge benchmark).
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from __future__ import annotations
 import threading
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import event, select
 from sqlalchemy.orm.exc import DetachedInstanceError
 
 from airflow.jobs import scheduler_job_runner
+from airflow import settings
 from airflow.listeners import hookimpl
 from airflow.models.dagrun import DagRun
+from airflow.models.taskinstance import TaskInstance as TI
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit.jobs.test_scheduler_failure_listeners_background import in_background, made
@@ -79,6 +83,33 @@ def test_listener_reads_relationships_besides_dag_run(
     made(runner)
     assert listener.called.is_set()
     assert listener.errors == {}
+
+
+@pytest.mark.guard
+@pytest.mark.skipif(not _HAS_STEP, reason="the executor-event step comes with the executor-event patch")
+def test_without_a_failure_listener_the_listener_thread_reads_nothing(
+    dag_maker, session, scheduler_job_runner, listener_manager
+):
+    runner = scheduler_job_runner  # listener_manager: no listener registered
+    (ti,) = make_running_tis(dag_maker, session, dag_id="brk_no_listener", queued_by_job_id=runner.job.id)
+    runner.executor.event_buffer[ti.key] = (FAILED, None)
+    session.commit()
+    session.close()
+    statements: list[str] = []
+
+    def record(conn, cursor, statement, *args) -> None:
+        if threading.current_thread().name == "on_task_instance_failed":
+            statements.append(statement)
+
+    event.listen(settings.engine, "before_cursor_execute", record)
+    try:
+        in_background(runner)
+        runner._process_events_of_executors()
+        made(runner)
+    finally:
+        event.remove(settings.engine, "before_cursor_execute", record)
+    assert session.scalar(select(TI.state).where(TI.dag_id == "brk_no_listener")) == "up_for_retry"
+    assert statements == []
 
 
 class OrderListener:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import select
 
-from airflow.executors.base_executor import TaskRunnerExit
 from airflow.models.log import Log
 from airflow.models.taskinstance import TaskInstance, clear_task_instances
 from airflow.utils.state import TaskInstanceState
@@ -29,6 +28,7 @@ from tests.unit.api_fastapi.execution_api.versions.head.test_task_instances_unre
     committed_state,
     running_try,
 )
+from tests.unit.jobs.test_scheduler_killed_task_runner_callback import runner_exit
 from tests.unit.jobs.test_scheduler_stale_executor_events import (
     _db_callbacks,
     _deferred_and_resumed,
@@ -62,7 +62,7 @@ SIGKILL_EXIT = -9
 
 def _killed_runner_event(runner, key) -> None:
     """LocalExecutor's event of a workload whose task runner SIGKILL ended (``_read_results``)."""
-    runner.executor.change_state(key, SUCCESS, TaskRunnerExit(SIGKILL_EXIT))
+    runner.executor.change_state(key, SUCCESS, runner_exit(SIGKILL_EXIT))
 
 
 def _state_mismatch_logs(session, ti) -> int:
