@@ -140,7 +140,8 @@ def test_killed_runner_event_of_an_earlier_try_leaves_the_running_try(
     assert callbacks_of_try(ti) == []
 
 
-@pytest.mark.guard
+# The heartbeat rule's (patch 11's) behaviour, which patch 14 must keep for events without a TaskRunnerExit.
+@pytest.mark.proves("Do-not-fail-a-running-try-that-still-heartbeats-on-an-executor-event.patch")
 @pytest.mark.parametrize(
     "info", [SIGKILL_EXIT, "celery-task-id", None], ids=["bare-int", "celery-str", "none"]
 )
