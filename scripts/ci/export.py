@@ -85,7 +85,11 @@ def marker_call(node: ast.expr) -> tuple[str, list[ast.expr]] | None:
 
 
 def is_project_mark(node: ast.expr) -> bool:
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in PROJECT_MARK_FACTORIES:
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in PROJECT_MARK_FACTORIES
+    ):
         return True
     m = marker_call(node)
     if m and m[0] == "skipif":
