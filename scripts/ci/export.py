@@ -69,6 +69,9 @@ PROJECT_MARKERS = ("proves", "guard")
 # An export always holds the patches its tests need (as dependencies), so a ``skipif`` on them is dropped,
 # not inlined.
 PROJECT_CONDITIONS = {"carries"}
+# The harness's marker factories (tests/unit/harness/series.py): ``guard_since(version, patch)`` is a ``guard`` or
+# a ``proves`` marker by the base's release, so it goes like them.
+PROJECT_MARK_FACTORIES = {"guard_since"}
 MARK = ".series-export"  # in every export folder: only a folder holding it is ever replaced
 
 
@@ -82,6 +85,12 @@ def marker_call(node: ast.expr) -> tuple[str, list[ast.expr]] | None:
 
 
 def is_project_mark(node: ast.expr) -> bool:
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in PROJECT_MARK_FACTORIES
+    ):
+        return True
     m = marker_call(node)
     if m and m[0] == "skipif":
         return any(isinstance(n, ast.Name) and n.id in PROJECT_CONDITIONS for a in m[1] for n in ast.walk(a))

@@ -579,6 +579,48 @@ def test_a_helper_only_a_dropped_marker_used_is_not_inlined_nor_its_names_left(t
     assert "def test_proved_by_whichever_comes_last(session):" in text
 
 
+GUARD_SINCE = """from __future__ import annotations
+
+import pytest
+
+from tests.unit.conftest import guard_since
+
+PATCH = "Mine.patch"
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        pytest.param("queued", marks=guard_since("3.4.0", PATCH)),
+        pytest.param("running", marks=pytest.mark.proves(PATCH)),
+    ],
+)
+def test_cases(state, session):
+    assert state
+"""
+
+
+def test_a_guard_since_marker_goes_like_proves_and_guard(tmp_path: Path):
+    """``pytest.param(..., marks=guard_since(version, PATCH))`` (the stale-event module's 3.4 form): the harness's
+    marker factory goes as its markers do, so neither it nor the series reader behind it is inlined or left."""
+    module = _project(tmp_path, GUARD_SINCE, {"conftest.py": APPLIED_LAST_CONFTEST + GUARD_SINCE_CONFTEST})
+    text, inlined, left = _find_one(tmp_path, module, "test_cases")
+    assert left == []
+    assert inlined == []
+    for gone in ("guard_since", "BASE_VERSION", "PROJECT_ROOT", "__file__", "proves"):
+        assert gone not in text
+    assert 'pytest.param("queued")' in text and 'pytest.param("running")' in text
+
+
+GUARD_SINCE_CONFTEST = """
+
+def guard_since(version, patch):
+    import pytest
+
+    return pytest.mark.guard if BASE_VERSION >= version else pytest.mark.proves(patch)
+"""
+
+
 def test_prune_drops_an_unused_tuple_assignment_and_what_only_it_used():
     import export
 

@@ -30,6 +30,7 @@ from datetime import timedelta
 import httpx
 import pytest
 import time_machine
+from packaging.version import Version
 from sqlalchemy import event, func, select
 
 import airflow
@@ -54,6 +55,8 @@ PATCH = "Ignore-stale-executor-events-from-an-earlier-process-of-the-live-try.pa
 P_PURGE = "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch"
 
 pytestmark = pytest.mark.db_test
+
+ON_3_4 = Version(airflow.__version__).release >= (3, 4)
 
 LIVE_STATES = [TaskInstanceState.SCHEDULED, TaskInstanceState.QUEUED, TaskInstanceState.RUNNING]
 
@@ -299,9 +302,14 @@ def test_reschedule_poke_success_drained_late_does_not_fail_live_poke(
     assert runner.executor.get_event_buffer() == {}, "the stale event must be consumed"
 
 
-@pytest.mark.proves(PATCH)
 @pytest.mark.parametrize(
-    "live_state", [TaskInstanceState.QUEUED, TaskInstanceState.RUNNING], ids=lambda s: s.value
+    "live_state",
+    [
+        # 3.4's resume-after-defer guard covers a resumed try back in QUEUED: a guard there.
+        pytest.param(TaskInstanceState.QUEUED, marks=guard_since("3.4.0", PATCH)),
+        pytest.param(TaskInstanceState.RUNNING, marks=pytest.mark.proves(PATCH)),
+    ],
+    ids=lambda s: s.value,
 )
 def test_defer_exit_success_drained_late_does_not_fail_resumed_attempt(
     dag_maker, session, scheduler_job_runner, execution_api, live_state
@@ -405,8 +413,8 @@ def _applied_last(*patches: str) -> str:
 
 @pytest.mark.proves(_applied_last(PATCH, P_PURGE))
 @pytest.mark.skipif(
-    not carries(P_PURGE), reason=f"needs {P_PURGE} (the purge fails the try), not in this queue"
-)
+    not (carries(P_PURGE) or ON_3_4), reason=f"needs {P_PURGE} (the purge fails the try), not in this queue"
+)  # 3.4 has upstream #68008: its purge fails the try in the same pass
 def test_second_poke_killed_without_heartbeat_is_failed_by_the_purge_once(
     dag_maker, session, scheduler_job_runner, execution_api
 ):
@@ -502,8 +510,14 @@ def test_batch_of_stale_events_issues_a_bounded_number_of_queries(
     dag_maker, session, scheduler_job_runner, execution_api
 ):
     runner = scheduler_job_runner
-    small = [ti.key for ti in _stale_batch(dag_maker, session, runner, execution_api, n=1, suffix="s")]
-    large = [ti.key for ti in _stale_batch(dag_maker, session, runner, execution_api, n=8, suffix="l")]
+    small_tis = _stale_batch(dag_maker, session, runner, execution_api, n=1, suffix="s")
+    large_tis = _stale_batch(dag_maker, session, runner, execution_api, n=8, suffix="l")
+    if ON_3_4:
+        # 3.4: an executor captures the try's id when it takes the workload; registered here, so that the
+        # RecordingExecutor's lookup of a key event's try (one query per key) is not counted as the scheduler's.
+        for ti in small_tis + large_tis:
+            runner.executor._register_task(ti)
+    small, large = [ti.key for ti in small_tis], [ti.key for ti in large_tis]
     session.expunge_all()  # both batches start from an empty identity map
 
     _drain_late_success(runner, small)
