@@ -257,7 +257,8 @@ def test_api_takes_row_lock_first(dag_maker, session, listener_manager, api, pau
     assert assert_consistent(read_rows(*_key(ti)), old_id, status) == "reschedule won"
 
 
-@pytest.mark.proves(P2)
+# 3.4: retry preparation starts with archive()'s FOR UPDATE of the row, so the API waits on the release already.
+@pytest.mark.proves(P2, base_ok_on=("postgres",) if ON_3_4 else ())
 @pytest.mark.backend("postgres", "mysql")
 def test_failure_handling_takes_row_lock_first(dag_maker, session, listener_manager, api, pauses):
     """
@@ -417,12 +418,16 @@ def _running_ti_with_failed_event(dag_maker, session, runner, dag_id):
 
 
 # On SQLite and MariaDB (no row lock in v3) failure handling in the caller's transaction is what makes it pass.
-# 3.4 passes it on every backend without a patch (docs/3.4.md): not the failure patch's test there.
-@pytest.mark.proves(
-    P2
-    if env.BACKEND == "postgres" or not series.V3 or ON_3_4
-    else "Fail-a-task-instance-in-the-caller-s-transaction.patch",
-    base_ok_on=("postgres",),
+# 3.4 passes it on every backend without a patch (docs/3.4.md): a guard there.
+@(
+    pytest.mark.guard
+    if ON_3_4
+    else pytest.mark.proves(
+        P2
+        if env.BACKEND == "postgres" or not series.V3
+        else "Fail-a-task-instance-in-the-caller-s-transaction.patch",
+        base_ok_on=("postgres",),
+    )
 )
 def test_executor_event_while_reschedule_commits(
     dag_maker, session, listener_manager, api, pauses, scheduler_job_runner
