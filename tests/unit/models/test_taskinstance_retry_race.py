@@ -418,16 +418,12 @@ def _running_ti_with_failed_event(dag_maker, session, runner, dag_id):
 
 
 # On SQLite and MariaDB (no row lock in v3) failure handling in the caller's transaction is what makes it pass.
-# 3.4 passes it on every backend without a patch (docs/3.4.md): a guard there.
-@(
-    pytest.mark.guard
-    if ON_3_4
-    else pytest.mark.proves(
-        P2
-        if env.BACKEND == "postgres" or not series.V3
-        else "Fail-a-task-instance-in-the-caller-s-transaction.patch",
-        base_ok_on=("postgres",),
-    )
+# 3.4 passes it on every backend without a patch (docs/3.4.md): the row-lock patch's there, on no vulnerable backend.
+@pytest.mark.proves(
+    P2
+    if env.BACKEND == "postgres" or not series.V3 or ON_3_4
+    else "Fail-a-task-instance-in-the-caller-s-transaction.patch",
+    base_ok_on=("postgres", "sqlite", "mysql") if ON_3_4 else ("postgres",),
 )
 def test_executor_event_while_reschedule_commits(
     dag_maker, session, listener_manager, api, pauses, scheduler_job_runner

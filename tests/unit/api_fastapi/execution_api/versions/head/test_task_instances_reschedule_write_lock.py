@@ -68,7 +68,7 @@ def _reschedule_rows_of(ti_id) -> int:
     P_ROW_LOCK if ON_3_4 and env.BACKEND == "mysql" else P_WRITE_FIRST, base_ok_on=("postgres", "mysql")
 )
 def test_reschedule_read_before_retry_preparation_commits(dag_maker, session, scheduler_job_runner, api):
-    if ON_3_4 and env.BACKEND == "mysql":
+    if ON_3_4 and settings.engine.dialect.name == "mysql":
         pytest.skip(
             "3.4: the row-lock patch locks the row with Airflow's with_row_locks, which emits no FOR UPDATE "
             "on MariaDB (Airflow does not support MariaDB; MySQL 8 gets the lock): failure handling still "
