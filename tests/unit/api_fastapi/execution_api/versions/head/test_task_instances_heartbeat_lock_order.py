@@ -42,7 +42,7 @@ PID = 4242
 @pytest.mark.backend("postgres", "mysql")
 @pytest.mark.skipif(
     Version(airflow_version).release >= (3, 4) and env.BACKEND == "mysql",
-    reason="3.4 on MariaDB deadlocks here on the release too (the heartbeat answers 500: 1213 on its UPDATE): "
+    reason="3.4 on MariaDB deadlocks here on the release too (the heartbeat answers 500; 1213 on its UPDATE): "
     "retry preparation's archive() locks the row with a FOR UPDATE of its own (MariaDB takes it; the "
     "row-lock patch's with_row_locks emits none there), the heartbeat's UPDATE waits, then archive()'s "
     "UPDATE of state and working_set deadlocks with it; Airflow does not support MariaDB (docs/3.4.md)",
