@@ -409,8 +409,7 @@ def test_clearing_waits_for_a_retry_in_flight_and_clears_its_successor(dag_maker
     try, not yet committed, when the clear starts. The clear must wait for the row lock and then clear the
     next try (``up_for_retry`` to no state, one archived try). On PostgreSQL the locking read that waited
     for the archived row returns no row (the successor is newer than its snapshot): the clear reads the key
-    once more. Before: the clear wrote ``restarting`` to the archived try and the next try stayed
-    ``up_for_retry``.
+    once more. Before (postgres): no error, the next try stayed ``up_for_retry``: the clear was lost.
     """
     skip_where_v3_takes_no_row_lock(session)
     (ti,) = make_running_tis(dag_maker, session, dag_id="clear_during_retry", retries=1)
