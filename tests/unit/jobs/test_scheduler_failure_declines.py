@@ -472,6 +472,12 @@ def test_concurrent_clears_of_overlapping_sets_finish(dag_maker, session, backen
     holds a, waits for b; second holds b, waits for a): a deadlock, one clear fails
     (PostgreSQL ``DeadlockDetected``, MariaDB 1213).
     """
+    if backend == "mysql" and hasattr(TI, "working_set"):
+        pytest.skip(
+            "MariaDB, 3.4: with_row_locks takes no row lock there, so the clears still deadlock (1213, 3 of 3 "
+            "runs on 2026-12-06) at archive()'s FOR UPDATE, taken in the order of each clear's list; in key "
+            "order the second clear re-reads the first's try unlocked and fails (archived already)"
+        )
     if backend == "mysql":
         pytest.skip(
             "MariaDB: the clears still deadlock now and then (1213 in the second clear, 1 of 5 full "

@@ -403,6 +403,43 @@ def test_clearing_a_task_instance_whose_try_failed_after_it_was_read(dag_maker, 
     assert rows.history_tries == [1], rows
 
 
+@pytest.mark.proves("Lock-task-instance-rows-before-clearing-them.patch")
+@pytest.mark.backend("postgres", "mysql")
+@pytest.mark.skipif(not ON_3_4, reason="3.4's retry archives the try and inserts its successor as a new row")
+def test_clearing_waits_for_a_retry_in_flight_and_clears_its_successor(dag_maker, session, pauses):
+    """
+    3.4: a clear reads the running try; the scheduler's failure handling has archived it and inserted the next
+    try, not yet committed, when the clear starts. The clear must wait for the row lock and then clear the
+    next try (``up_for_retry`` to no state, one archived try). On PostgreSQL the locking read that waited
+    for the archived row returns no row (the successor is newer than its snapshot): the clear reads the key
+    once more. Before (postgres): no error, the next try stayed ``up_for_retry``: the clear was lost.
+    """
+    skip_where_v3_takes_no_row_lock(session)
+    (ti,) = make_running_tis(dag_maker, session, dag_id="clear_during_retry", retries=1)
+    key = _key(ti)
+    to_clear = list(session.scalars(select(TaskInstance).where(TaskInstance.dag_id == "clear_during_retry")))
+    session.commit()
+
+    failure = run_in_scheduler_thread(handle_failure_of(key, ti.task))
+    paused = pauses(r"^\s*INSERT INTO task_instance\b", thread=failure)
+    failure.start()
+    assert paused.reached.wait(WAIT), "failure handling never inserted the next try"
+    clearing = Worker(lambda: clear_task_instances(to_clear, session), name="clear")
+    clearing.start()
+    wait_until(lambda: clearing.done.is_set() or lock_waiters() > 0, "clearing waits for a row lock or ends")
+    paused.release()
+    failure.join_or_fail()
+    clearing.join_or_fail()
+
+    assert failure.error is None, f"failure handling raised {failure.error!r}"
+    assert clearing.error is None, f"clearing raised {clearing.error!r}"
+    session.commit()
+    rows = read_rows(*key)
+    assert rows.state is None, rows
+    assert rows.ti_id != ti.id, rows
+    assert rows.history_tries == [1], rows
+
+
 # ---------------------------------------------------------------------------------------------
 # Patch 2 through the real scheduler path: _process_executor_events
 # ---------------------------------------------------------------------------------------------
