@@ -133,7 +133,8 @@ class OrderListener:
 @pytest.mark.skipif(not _HAS_THREAD, reason="no background listener thread before patch 13")
 @pytest.mark.xfail(
     strict=True,
-    reason="known limitation of patch 13: on_task_instance_failed is queued behind a slow call while the "
+    reason="known limitation of the background-listener patch (13 on 3.3.2, 12 on 3.2.2 and 3.1.8): "
+    "on_task_instance_failed is queued behind a slow call while the "
     "scheduler's thread goes on and calls on_dag_run_failed for the same run first (OpenLineage: dag run FAIL "
     "before the task's FAIL); before, the task's call was made before the next scheduling step",
 )
