@@ -533,6 +533,72 @@ def test_concurrent_clears_of_overlapping_sets_finish(dag_maker, session, backen
     assert sorted(states) == [("a", None), ("b", None)]
 
 
+@pytest.mark.backend("postgres")
+@pytest.mark.skipif(not hasattr(TI, "working_set"), reason="3.4 only: the clear lock of the 3.4 queue")
+@pytest.mark.xfail(
+    strict=True,
+    reason="Lock-task-instance-rows-before-clearing-them.patch (3.4): the clear's key-order lock is taken "
+    "with with_row_locks, so [scheduler] use_row_level_locking = False drops it, while archive()'s "
+    "FOR UPDATE (with_for_update) still locks in each caller's list order: the concurrent clears deadlock",
+)
+def test_concurrent_clears_finish_without_scheduler_row_level_locking(dag_maker, session, monkeypatch):
+    """
+    As test_concurrent_clears_of_overlapping_sets_finish, with ``[scheduler] use_row_level_locking =
+    False`` (read once at import into ``airflow.utils.sqlalchemy.USE_ROW_LEVEL_LOCKING``). The setting
+    is the scheduler's (one scheduler, no HA), yet clears come from the API and CLI whatever it is.
+    """
+    import airflow.utils.sqlalchemy as sqla_utils
+
+    monkeypatch.setattr(sqla_utils, "USE_ROW_LEVEL_LOCKING", False)
+    with dag_maker("concurrent_clears_no_rll", session=session):
+        EmptyOperator(task_id="a")
+        EmptyOperator(task_id="b")
+    dr = dag_maker.create_dagrun()
+    for ti in dr.get_task_instances(session=session):
+        ti.state = SUCCESS
+    session.commit()
+    dag_id, run_id = dr.dag_id, dr.run_id
+
+    def clear(order):
+        def fn():
+            s = settings.Session()
+            try:
+                by_task = {
+                    ti.task_id: ti
+                    for ti in s.scalars(select(TI).where(TI.dag_id == dag_id, TI.run_id == run_id))
+                }
+                clear_task_instances([by_task[t] for t in order], s)
+                s.commit()
+            finally:
+                s.rollback()
+                settings.Session.remove()
+
+        return fn
+
+    first = Worker(clear(["a", "b"]), name="clear-a-b")
+    second = Worker(clear(["b", "a"]), name="clear-b-a")
+    paused = Pause(r"\bFOR UPDATE\b", thread=first)
+    try:
+        first.start()
+        assert paused.reached.wait(WAIT), "the first clear took no row lock"
+        second.start()
+        wait_until(
+            lambda: second.done.is_set() or lock_waiters() > 0,
+            "the second clear waits for a row lock or ends",
+        )
+        paused.release()
+        first.join_or_fail()
+        second.join_or_fail()
+    finally:
+        paused.release()
+        paused.remove()
+    assert first.error is None, f"the first clear raised {first.error!r}"
+    assert second.error is None, f"the second clear raised {second.error!r}"
+    with settings.NonScopedSession() as s:
+        states = s.execute(select(TI.task_id, TI.state).where(TI.dag_id == dag_id)).all()
+    assert sorted(states) == [("a", None), ("b", None)]
+
+
 @pytest.mark.proves("Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch")
 @pytest.mark.parametrize("kind", [TaskInstanceState.QUEUED, RUNNING, SUCCESS, FAILED])
 def test_a_deleted_task_instance_under_any_event_kind_does_not_end_the_loop(
