@@ -643,3 +643,49 @@ def test_a_deleted_task_instance_under_any_event_kind_does_not_end_the_loop(
     assert callbacks_of(victim) == []
     assert len(callbacks_of(survivor)) == 1
     assert runner.executor.event_buffer == {}
+
+
+@pytest.mark.backend("mysql")
+@pytest.mark.skipif(not hasattr(TI, "working_set"), reason="3.4 only: complete_restart releases a cleared try")
+@pytest.mark.xfail(
+    strict=True,
+    reason="Lock-the-task-instance-row-when-handling-its-failure.patch (3.4): _lock_failing_try accepts a row "
+    "now restarting (kept from 3.3.2), so a try a clear set to restarting after the batch's unlocked read "
+    "(MariaDB: with_row_locks takes no lock) is failed for retry instead of left to complete_restart",
+)
+def test_executor_event_leaves_a_try_cleared_after_the_batch_read_to_its_restart(
+    dag_maker, session, scheduler_job_runner
+):
+    """
+    A FAILED executor event of a running try (no heartbeat); after the batch read it, a clear of the
+    running try commits ``restarting`` (no row lock on MariaDB). 3.4 releases a restarting try with
+    ``complete_restart`` (the purge and the event loop do so when they read it restarting): the try
+    must not be failed for retry (no up_for_retry successor).
+    """
+    from tests.unit.ti_race import executor_events_step
+
+    runner = scheduler_job_runner
+    (ti,) = make_running_tis(
+        dag_maker, session, dag_id="restart_after_batch_read", queued_by_job_id=runner.job.id
+    )
+    ti_id, dag_id = ti.id, ti.dag_id
+    runner.executor.event_buffer[ti.key] = (FAILED, None)
+    session.expunge_all()
+
+    def clear_commits_restarting() -> None:
+        with settings.NonScopedSession() as s:
+            s.execute(update(TI).where(TI.id == ti_id).values(state=RESTARTING))
+            s.commit()
+
+    # The batch's "state mismatch" log row, flushed after the batch read and before failure handling.
+    hook = AfterStatement(r"^\s*INSERT INTO log\b", clear_commits_restarting)
+    try:
+        executor_events_step(runner)
+    finally:
+        hook.remove()
+    assert hook.fired, "the event was not taken for an externally killed task"
+    with settings.NonScopedSession() as s:
+        current = s.execute(
+            select(TI.id, TI.state).where(TI.dag_id == dag_id, TI.working_set.is_(True))
+        ).all()
+    assert [state for _, state in current] != [UP_FOR_RETRY], f"the cleared try was failed: {current}"
