@@ -689,3 +689,49 @@ def test_executor_event_leaves_a_try_cleared_after_the_batch_read_to_its_restart
             select(TI.id, TI.state).where(TI.dag_id == dag_id, TI.working_set.is_(True))
         ).all()
     assert [state for _, state in current] != [UP_FOR_RETRY], f"the cleared try was failed: {current}"
+
+
+@pytest.mark.backend("mysql")
+@pytest.mark.skipif(not hasattr(TI, "working_set"), reason="3.4 queue: handle_failure declines there")
+@pytest.mark.xfail(
+    strict=True,
+    reason="Lock-the-task-instance-row-when-handling-its-failure.patch (3.4): handle_failure declines a try the "
+    "worker ended after the batch's unlocked read (MariaDB), but the event loop has already sent the failure "
+    "callback request, which the step commits: a failure callback for a try that succeeded",
+)
+def test_executor_event_sends_no_failure_callback_for_a_try_that_succeeded_after_the_batch_read(
+    dag_maker, session, scheduler_job_runner
+):
+    """
+    A FAILED executor event of a running try (no heartbeat) of a task with a failure callback; after the
+    batch read it, the worker commits SUCCESS (no row lock on MariaDB). Failure handling then declines
+    (the row is no longer running); no failure callback request may be committed for the try.
+    """
+    from tests.unit.ti_race import executor_events_step
+
+    runner = scheduler_job_runner
+    (ti,) = make_running_tis(
+        dag_maker,
+        session,
+        dag_id="success_after_batch_read",
+        queued_by_job_id=runner.job.id,
+        on_failure_callback=on_failure,
+    )
+    ti_id = ti.id
+    runner.executor.event_buffer[ti.key] = (FAILED, None)
+    session.expunge_all()
+
+    def worker_succeeds() -> None:
+        with settings.NonScopedSession() as s:
+            s.execute(update(TI).where(TI.id == ti_id).values(state=SUCCESS, end_date=timezone.utcnow()))
+            s.commit()
+
+    hook = AfterStatement(r"^\s*INSERT INTO log\b", worker_succeeds)
+    try:
+        executor_events_step(runner)
+    finally:
+        hook.remove()
+    assert hook.fired, "the event was not taken for an externally killed task"
+    with settings.NonScopedSession() as s:
+        assert s.scalar(select(TI.state).where(TI.id == ti_id)) == SUCCESS
+    assert task_callbacks("sensor") == []
