@@ -646,7 +646,9 @@ def test_a_deleted_task_instance_under_any_event_kind_does_not_end_the_loop(
 
 
 @pytest.mark.backend("mysql")
-@pytest.mark.skipif(not hasattr(TI, "working_set"), reason="3.4 only: complete_restart releases a cleared try")
+@pytest.mark.skipif(
+    not hasattr(TI, "working_set"), reason="3.4 only: complete_restart releases a cleared try"
+)
 @pytest.mark.xfail(
     strict=True,
     reason="Lock-the-task-instance-row-when-handling-its-failure.patch (3.4): _lock_failing_try accepts a row "
