@@ -462,6 +462,57 @@ def test_heartbeat_purge_rolls_back_when_failure_handling_declines(
 # ---------------------------------------------------------------------------------------------
 # Concurrent clears of overlapping sets
 # ---------------------------------------------------------------------------------------------
+def _two_clears_in_opposite_orders_finish(dag_maker, session, dag_id: str) -> None:
+    """Clear a and b, and b and a, at once (the first paused at its first row lock); both must finish."""
+    with dag_maker(dag_id, session=session):
+        EmptyOperator(task_id="a")
+        EmptyOperator(task_id="b")
+    dr = dag_maker.create_dagrun()
+    for ti in dr.get_task_instances(session=session):
+        ti.state = SUCCESS
+    session.commit()
+    run_id = dr.run_id
+
+    def clear(order):
+        def fn():
+            s = settings.Session()
+            try:
+                by_task = {
+                    ti.task_id: ti
+                    for ti in s.scalars(select(TI).where(TI.dag_id == dag_id, TI.run_id == run_id))
+                }
+                clear_task_instances([by_task[t] for t in order], s)
+                s.commit()
+            finally:
+                s.rollback()
+                settings.Session.remove()
+
+        return fn
+
+    first = Worker(clear(["a", "b"]), name="clear-a-b")
+    second = Worker(clear(["b", "a"]), name="clear-b-a")
+    paused = Pause(r"\bFOR UPDATE\b", thread=first)
+    try:
+        first.start()
+        assert paused.reached.wait(WAIT), "the first clear took no row lock"
+        second.start()
+        wait_until(
+            lambda: second.done.is_set() or lock_waiters() > 0,
+            "the second clear waits for a row lock or ends",
+        )
+        paused.release()
+        first.join_or_fail()
+        second.join_or_fail()
+    finally:
+        paused.release()
+        paused.remove()
+    assert first.error is None, f"the first clear raised {first.error!r}"
+    assert second.error is None, f"the second clear raised {second.error!r}"
+    with settings.NonScopedSession() as s:
+        states = s.execute(select(TI.task_id, TI.state).where(TI.dag_id == dag_id)).all()
+    assert sorted(states) == [("a", None), ("b", None)]
+
+
 @pytest.mark.proves("Lock-task-instance-rows-before-clearing-them.patch" if series.V3 else PATCH)
 @pytest.mark.backend("postgres", "mysql")
 def test_concurrent_clears_of_overlapping_sets_finish(dag_maker, session, backend):
@@ -484,53 +535,7 @@ def test_concurrent_clears_of_overlapping_sets_finish(dag_maker, session, backen
             "tests-mysql runs on 2026-12-01, after the ordered FOR UPDATE; cause not found; not checked "
             "on MySQL 8): see README, Known limitations"
         )
-    with dag_maker("concurrent_clears", session=session):
-        EmptyOperator(task_id="a")
-        EmptyOperator(task_id="b")
-    dr = dag_maker.create_dagrun()
-    for ti in dr.get_task_instances(session=session):
-        ti.state = SUCCESS
-    session.commit()
-    dag_id, run_id = dr.dag_id, dr.run_id
-
-    def clear(order):
-        def fn():
-            s = settings.Session()
-            try:
-                by_task = {
-                    ti.task_id: ti
-                    for ti in s.scalars(select(TI).where(TI.dag_id == dag_id, TI.run_id == run_id))
-                }
-                clear_task_instances([by_task[t] for t in order], s)
-                s.commit()
-            finally:
-                s.rollback()
-                settings.Session.remove()
-
-        return fn
-
-    first = Worker(clear(["a", "b"]), name="clear-a-b")
-    second = Worker(clear(["b", "a"]), name="clear-b-a")
-    paused = Pause(r"\bFOR UPDATE\b", thread=first)
-    try:
-        first.start()
-        assert paused.reached.wait(WAIT), "the first clear took no row lock"
-        second.start()
-        wait_until(
-            lambda: second.done.is_set() or lock_waiters() > 0,
-            "the second clear waits for a row lock or ends",
-        )
-        paused.release()
-        first.join_or_fail()
-        second.join_or_fail()
-    finally:
-        paused.release()
-        paused.remove()
-    assert first.error is None, f"the first clear raised {first.error!r}"
-    assert second.error is None, f"the second clear raised {second.error!r}"
-    with settings.NonScopedSession() as s:
-        states = s.execute(select(TI.task_id, TI.state).where(TI.dag_id == dag_id)).all()
-    assert sorted(states) == [("a", None), ("b", None)]
+    _two_clears_in_opposite_orders_finish(dag_maker, session, "concurrent_clears")
 
 
 @pytest.mark.backend("postgres")
@@ -550,53 +555,7 @@ def test_concurrent_clears_finish_without_scheduler_row_level_locking(dag_maker,
     import airflow.utils.sqlalchemy as sqla_utils
 
     monkeypatch.setattr(sqla_utils, "USE_ROW_LEVEL_LOCKING", False)
-    with dag_maker("concurrent_clears_no_rll", session=session):
-        EmptyOperator(task_id="a")
-        EmptyOperator(task_id="b")
-    dr = dag_maker.create_dagrun()
-    for ti in dr.get_task_instances(session=session):
-        ti.state = SUCCESS
-    session.commit()
-    dag_id, run_id = dr.dag_id, dr.run_id
-
-    def clear(order):
-        def fn():
-            s = settings.Session()
-            try:
-                by_task = {
-                    ti.task_id: ti
-                    for ti in s.scalars(select(TI).where(TI.dag_id == dag_id, TI.run_id == run_id))
-                }
-                clear_task_instances([by_task[t] for t in order], s)
-                s.commit()
-            finally:
-                s.rollback()
-                settings.Session.remove()
-
-        return fn
-
-    first = Worker(clear(["a", "b"]), name="clear-a-b")
-    second = Worker(clear(["b", "a"]), name="clear-b-a")
-    paused = Pause(r"\bFOR UPDATE\b", thread=first)
-    try:
-        first.start()
-        assert paused.reached.wait(WAIT), "the first clear took no row lock"
-        second.start()
-        wait_until(
-            lambda: second.done.is_set() or lock_waiters() > 0,
-            "the second clear waits for a row lock or ends",
-        )
-        paused.release()
-        first.join_or_fail()
-        second.join_or_fail()
-    finally:
-        paused.release()
-        paused.remove()
-    assert first.error is None, f"the first clear raised {first.error!r}"
-    assert second.error is None, f"the second clear raised {second.error!r}"
-    with settings.NonScopedSession() as s:
-        states = s.execute(select(TI.task_id, TI.state).where(TI.dag_id == dag_id)).all()
-    assert sorted(states) == [("a", None), ("b", None)]
+    _two_clears_in_opposite_orders_finish(dag_maker, session, "concurrent_clears_no_rll")
 
 
 @pytest.mark.proves("Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch")
@@ -645,6 +604,26 @@ def test_a_deleted_task_instance_under_any_event_kind_does_not_end_the_loop(
     assert runner.executor.event_buffer == {}
 
 
+def _event_step_with_a_commit_after_the_batch_read(runner, ti_id, **values) -> None:
+    """
+    The executor-event step, while another connection commits ``values`` on the try right after the
+    batch's "state mismatch" log row (flushed after the batch read, before failure handling).
+    """
+    from tests.unit.ti_race import executor_events_step
+
+    def commit() -> None:
+        with settings.NonScopedSession() as s:
+            s.execute(update(TI).where(TI.id == ti_id).values(**values))
+            s.commit()
+
+    hook = AfterStatement(r"^\s*INSERT INTO log\b", commit)
+    try:
+        executor_events_step(runner)
+    finally:
+        hook.remove()
+    assert hook.fired, "the event was not taken for an externally killed task"
+
+
 @pytest.mark.backend("mysql")
 @pytest.mark.skipif(
     not hasattr(TI, "working_set"), reason="3.4 only: complete_restart releases a cleared try"
@@ -664,7 +643,6 @@ def test_executor_event_leaves_a_try_cleared_after_the_batch_read_to_its_restart
     ``complete_restart`` (the purge and the event loop do so when they read it restarting): the try
     must not be failed for retry (no up_for_retry successor).
     """
-    from tests.unit.ti_race import executor_events_step
 
     runner = scheduler_job_runner
     (ti,) = make_running_tis(
@@ -674,18 +652,7 @@ def test_executor_event_leaves_a_try_cleared_after_the_batch_read_to_its_restart
     runner.executor.event_buffer[ti.key] = (FAILED, None)
     session.expunge_all()
 
-    def clear_commits_restarting() -> None:
-        with settings.NonScopedSession() as s:
-            s.execute(update(TI).where(TI.id == ti_id).values(state=RESTARTING))
-            s.commit()
-
-    # The batch's "state mismatch" log row, flushed after the batch read and before failure handling.
-    hook = AfterStatement(r"^\s*INSERT INTO log\b", clear_commits_restarting)
-    try:
-        executor_events_step(runner)
-    finally:
-        hook.remove()
-    assert hook.fired, "the event was not taken for an externally killed task"
+    _event_step_with_a_commit_after_the_batch_read(runner, ti_id, state=RESTARTING)  # a clear
     with settings.NonScopedSession() as s:
         current = s.execute(
             select(TI.id, TI.state).where(TI.dag_id == dag_id, TI.working_set.is_(True))
@@ -709,7 +676,6 @@ def test_executor_event_sends_no_failure_callback_for_a_try_that_succeeded_after
     batch read it, the worker commits SUCCESS (no row lock on MariaDB). Failure handling then declines
     (the row is no longer running); no failure callback request may be committed for the try.
     """
-    from tests.unit.ti_race import executor_events_step
 
     runner = scheduler_job_runner
     (ti,) = make_running_tis(
@@ -723,17 +689,7 @@ def test_executor_event_sends_no_failure_callback_for_a_try_that_succeeded_after
     runner.executor.event_buffer[ti.key] = (FAILED, None)
     session.expunge_all()
 
-    def worker_succeeds() -> None:
-        with settings.NonScopedSession() as s:
-            s.execute(update(TI).where(TI.id == ti_id).values(state=SUCCESS, end_date=timezone.utcnow()))
-            s.commit()
-
-    hook = AfterStatement(r"^\s*INSERT INTO log\b", worker_succeeds)
-    try:
-        executor_events_step(runner)
-    finally:
-        hook.remove()
-    assert hook.fired, "the event was not taken for an externally killed task"
+    _event_step_with_a_commit_after_the_batch_read(runner, ti_id, state=SUCCESS, end_date=timezone.utcnow())
     with settings.NonScopedSession() as s:
         assert s.scalar(select(TI.state).where(TI.id == ti_id)) == SUCCESS
     assert task_callbacks("sensor") == []
