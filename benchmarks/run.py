@@ -147,6 +147,9 @@ def purge_table(res: dict[str, dict]) -> str:
                 pair("followup_commits"),
                 pair("running_after_followup"),
                 pair("callback_rows_after_followup"),
+                ms(med([r["listener_drain_seconds"] for r in rs]))
+                if rs and rs[0].get("listener_thread")
+                else "-",
             ]
         )
     one_pass = table(
@@ -178,6 +181,7 @@ def purge_table(res: dict[str, dict]) -> str:
             "their commits base / series",
             "TIs still RUNNING after both base / series",
             "callback rows after both base / series",
+            "series: listener thread still busy after both, ms median (not scheduler time)",
         ],
         rows2,
     )
@@ -186,9 +190,10 @@ def purge_table(res: dict[str, dict]) -> str:
         + "\n\nThe same repeats, counting also what the pass leaves to the scheduler loop: the FAILED "
         "executor events it produced (`executor.change_state`), handled by the next `_process_executor_events` "
         "(on the base, that is where the TIs are actually failed, as “killed externally”; the base also "
-        "re-sends the callback on every later scan while the TI stays RUNNING, not counted here).\n\n"
-        + with_events
-        + phase_table(b, s)
+        "re-sends the callback on every later scan while the TI stays RUNNING, not counted here). Where the tree "
+        "has the operator tail's `FailureListenerThread`, the worker starts it as `_execute` does: the "
+        "`on_task_instance_failed` calls (a no-op listener is registered) run there, their statements are not "
+        "counted and their time is the last column.\n\n" + with_events + phase_table(b, s)
     )
 
 

@@ -171,6 +171,9 @@ def bench_purge(sizes: list[int], repeats: dict[int, int]) -> list[dict]:
     for n in sizes:
         H.clear_db()
         runner = H.make_runner()
+        # As `SchedulerJobRunner._execute`: the operator tail's listener calls go to their own thread
+        # (None where the tree has none: the calls run on this thread, inside the timed phases).
+        listener_thread = H.start_failure_listener_thread(runner)
         n_runs = math.ceil(n / tasks_per_run)
         n_dags = min(5, n_runs)
         with settings.NonScopedSession() as s:
@@ -227,6 +230,11 @@ def bench_purge(sizes: list[int], repeats: dict[int, int]) -> list[dict]:
                 H.process_executor_events(runner)
                 f_dt = time.perf_counter() - t0
             settings.Session.remove()
+            # Not scheduler time: how long the listener thread still worked after the events step.
+            t0 = time.perf_counter()
+            drained = listener_thread.wait(300) if listener_thread else True
+            drain_dt = time.perf_counter() - t0
+            assert drained, "listener thread did not finish its calls in 300 s"
             running_after, cb_after = running_and_callback_rows()
             out.append(
                 {
@@ -247,6 +255,8 @@ def bench_purge(sizes: list[int], repeats: dict[int, int]) -> list[dict]:
                     "still_running": still_running,
                     "followup_events": events,
                     "followup_seconds": f_dt,
+                    "listener_thread": listener_thread is not None,
+                    "listener_drain_seconds": drain_dt,
                     "followup_statements": f.statements,
                     "followup_commits": f.commits,
                     "running_after_followup": running_after,
@@ -260,7 +270,8 @@ def bench_purge(sizes: list[int], repeats: dict[int, int]) -> list[dict]:
             print(
                 f"  purge N={n} rep={rep}: {dt * 1000:.0f} ms, {c.statements} stmts, {c.commits} commits, "
                 f"{c.locked_rows} rows locked, {still_running} still RUNNING; then {events} executor events: "
-                f"{f_dt * 1000:.0f} ms, {f.statements} stmts, {f.commits} commits, {running_after} RUNNING",
+                f"{f_dt * 1000:.0f} ms, {f.statements} stmts, {f.commits} commits, {running_after} RUNNING"
+                + (f"; listener thread busy {drain_dt * 1000:.0f} ms after" if listener_thread else ""),
                 flush=True,
             )
             for name, ph in (("pass", pm.figures(c)), ("events", fm.figures(f))):
