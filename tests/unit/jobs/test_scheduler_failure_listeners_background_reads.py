@@ -4,14 +4,20 @@ What a failure listener relied on before the background listener thread (patch 1
 
 The relationships OpenLineage reads stay readable (a guard: it passes at step 12 and failed with the first
 version of patch 13); a listener's SystemExit does not end the thread; the order of the task's and the run's
-failure calls behind a slow call is a known limitation (xfail, strict). Without a failure listener the thread
+failure calls behind a slow call is a known limitation (xfail, strict). A listener's forked child that returns
+instead of exiting makes none of the scheduler's queued calls (a guard: it passes at step 12 and failed with the
+patch as it was until 2026-12-06 evening). Without a failure listener the thread
 reads nothing (a guard: it passes at step 12 and failed with the patch as it was until 2026-12-06, which loaded
 what listeners read for every failure: 5 statements a failed task instance in the purge benchmark).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
+from functools import partial
 
 import pytest
 from sqlalchemy import event, select
@@ -182,3 +188,41 @@ def test_a_listener_raising_system_exit_does_not_stop_later_calls():
     thread._queue.put_nowait(exits)
     thread._queue.put_nowait(later.set)
     assert later.wait(BLOCK), "the call queued after the one that raised SystemExit was not made"
+
+
+@pytest.mark.guard
+@pytest.mark.skipif(not _HAS_THREAD, reason="no background listener thread before patch 13")
+def test_a_listeners_child_that_returns_makes_none_of_the_queued_calls(tmp_path):
+    """
+    OpenLineage's listener does its work in a forked child that ends with ``os._exit(0)``, unless the work
+    raises (its HTTP call failed): then the exception goes up the child's copy of the listener thread. That
+    child must not go on with the calls still queued in the scheduler's copy of the queue (a Celery and
+    OpenLineage soak saw a failed try get a second listener call from such a child).
+    """
+    thread = scheduler_job_runner.FailureListenerThread()
+    record = tmp_path / "calls"
+    queued = threading.Event()
+
+    def call(name: str) -> None:
+        with open(record, "a") as f:
+            f.write(f"{os.getpid()} {name}\n")
+
+    def forks_and_fails() -> None:
+        call("first")
+        assert queued.wait(BLOCK), "the second call was not queued"
+        pid = os.fork()
+        if pid == 0:
+            raise RuntimeError("the child's work failed")
+        deadline = time.monotonic() + BLOCK  # the parent waits for its child as OpenLineage's does
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)  # polls the child's exit, bounded by the deadline
+
+    thread._queue.put_nowait(forks_and_fails)
+    thread._queue.put_nowait(partial(call, "second"))
+    queued.set()
+    assert thread.wait(3 * BLOCK), "the queued calls were not made"
+    assert record.read_text().splitlines() == [f"{os.getpid()} first", f"{os.getpid()} second"]
