@@ -274,6 +274,10 @@ def test_executor_event_set_state_does_not_commit_the_batch(dag_maker, session, 
     for the event) is not committed, and the session is not closed. Before: ``set_state`` without
     ``session`` committed and closed the thread's scoped session, the batch's own.
     """
+    if case == "restarting_success" and hasattr(TI, "working_set"):
+        pytest.skip(
+            "3.4: a cleared try whose process ended is released by complete_restart, which flushes only"
+        )
     runner = scheduler_job_runner
     (ti,) = make_running_tis(dag_maker, session, dag_id=f"set_state_{case}", queued_by_job_id=runner.job.id)
     if case == "restarting_success":
