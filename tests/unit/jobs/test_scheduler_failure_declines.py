@@ -59,6 +59,9 @@ EVENTS_PATCH = (
     if env.BACKEND == "postgres" or not series.V3
     else "Keep-executor-events-until-their-effects-are-committed.patch"
 )
+# 3.4 (SQLite, MariaDB; PostgreSQL skips them): the batch tests of a try deleted or declined after the batch's read pass
+# on the queue without the executor-events patch (verify-series, 2026-12-06): not vulnerable there.
+EVENTS_BASE_OK = ("sqlite", "mysql") if hasattr(TI, "working_set") else ()
 
 pytestmark = pytest.mark.db_test
 
@@ -175,7 +178,7 @@ def running_dag_ids(dag_ids) -> list[str]:
         return list(s.scalars(select(TI.dag_id).where(TI.dag_id.in_(dag_ids), TI.state == RUNNING)))
 
 
-@pytest.mark.proves(EVENTS_PATCH)
+@pytest.mark.proves(EVENTS_PATCH, base_ok_on=EVENTS_BASE_OK)
 def test_task_instance_deleted_mid_batch_is_skipped(dag_maker, session, scheduler_job_runner):
     """
     The DAG run of the second TI of an executor-event batch is deleted once the first event's
@@ -569,7 +572,9 @@ def test_concurrent_clears_finish_without_scheduler_row_level_locking(dag_maker,
     _two_clears_in_opposite_orders_finish(dag_maker, session, "concurrent_clears_no_rll")
 
 
-@pytest.mark.proves("Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch")
+@pytest.mark.proves(
+    "Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch", base_ok_on=EVENTS_BASE_OK
+)
 @pytest.mark.parametrize("kind", [TaskInstanceState.QUEUED, RUNNING, SUCCESS, FAILED])
 def test_a_deleted_task_instance_under_any_event_kind_does_not_end_the_loop(
     dag_maker, session, scheduler_job_runner, kind
