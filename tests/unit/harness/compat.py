@@ -103,3 +103,16 @@ def metrics_of(module: Any) -> Any:
     if hasattr(module, "stats"):
         return module.stats
     return module.Stats  # compat 3.2.x: the Stats object
+
+
+def put_back_key(key: Any, ti_id: Any) -> Any:
+    """
+    The key under which the scheduler puts back a task instance's executor event (``key``) it took but did not
+    apply: on 3.4 the key is resolved to the try's id when the buffer is drained (``TaskInstanceUuid``, as 3.4
+    puts back an event of a row ``SKIP LOCKED`` skipped); on older bases the key itself.
+    """
+    if _release(BASE_VERSION) < (3, 4):
+        return key
+    from airflow.executors.workloads.types import TaskInstanceUuid
+
+    return TaskInstanceUuid(ti_id)

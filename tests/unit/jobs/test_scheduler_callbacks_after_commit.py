@@ -27,7 +27,7 @@ from airflow.utils.session import create_session
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit.harness import series
-from tests.unit.jobs.test_scheduler_failure_declines import callbacks_of, rows, two_failed_events
+from tests.unit.jobs.test_scheduler_failure_declines import RETRIED, callbacks_of, rows, two_failed_events
 from tests.unit.jobs.test_scheduler_survives_failure_handling import ForeignKeyViolationOnce
 from tests.unit.ti_race import executor_events_step, make_running_tis
 
@@ -74,7 +74,7 @@ def test_failure_listener_gets_its_own_session(dag_maker, session, scheduler_job
     assert len(listener.sessions) == 2
     assert listener.seen_states == [UP_FOR_RETRY, UP_FOR_RETRY]
     for dag_id in tis:
-        assert [(r.state, r.try_number) for r in rows(dag_id)] == [(UP_FOR_RETRY, 1)]
+        assert [(r.state, r.try_number) for r in rows(dag_id)] == RETRIED
 
 
 def _on_retry(context):  # pragma: no cover - only its presence on the task matters
@@ -130,7 +130,7 @@ def test_legacy_callback_path_sends_one_request_when_the_event_is_handled_again(
     assert list(executor.event_buffer), "the event was not put back for the next pass"
 
     executor_events_step(runner)
-    assert [(r.state, r.try_number) for r in rows(dag_id)] == [(UP_FOR_RETRY, 1)]
+    assert [(r.state, r.try_number) for r in rows(dag_id)] == RETRIED
     requests = [r for r in callbacks_of(dag_id) if isinstance(r, TaskCallbackRequest)]
     assert len(requests) == 1, requests
 
@@ -160,5 +160,5 @@ def test_a_raising_call_after_the_commit_does_not_stop_the_others(dag_maker, ses
     executor_events_step(runner)
     assert sent[0] == "raised" and len(sent) == 2, sent
     for dag_id in tis:
-        assert [(r.state, r.try_number) for r in rows(dag_id)] == [(UP_FOR_RETRY, 1)]
+        assert [(r.state, r.try_number) for r in rows(dag_id)] == RETRIED
     assert len([r for r in callbacks_of(sent[1]) if isinstance(r, TaskCallbackRequest)]) == 1

