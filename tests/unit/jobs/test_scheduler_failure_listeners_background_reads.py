@@ -195,7 +195,8 @@ def test_a_listener_raising_system_exit_does_not_stop_later_calls():
 def test_a_listeners_child_that_returns_makes_none_of_the_queued_calls(tmp_path):
     """
     OpenLineage's listener does its work in a forked child that ends with ``os._exit(0)``, unless the work
-    raises (its HTTP call failed): then the exception goes up the child's copy of the listener thread. That
+    raises (at OpenLineage's timeout the parent sends SIGTERM, and the scheduler's handler, inherited by the
+    child, raises SystemExit): then the exception goes up the child's copy of the listener thread. That
     child must not go on with the calls still queued in the scheduler's copy of the queue (a Celery and
     OpenLineage soak saw a failed try get a second listener call from such a child).
     """
