@@ -358,7 +358,8 @@ def test_heartbeat_purge_rolled_back_leaves_no_callback(
     The error is injected in what follows the callback: ``handle_failure`` (where the purge fails the
     TI, from the issue-3 patches on) and ``change_state``; on series v3, which fails the try before it
     sends the callback and tells the executor after the commit, the pass's metric of the killed try. 3.4
-    sends the callback, then fails the try: ``handle_failure``, whichever patches its queue carries.
+    sends the callback before failure handling, and after it from its row-lock patch on: the send itself, right
+    after the request is written.
     """
     import airflow.jobs.scheduler_job_runner as scheduler_module
 
@@ -380,6 +381,14 @@ def test_heartbeat_purge_rolled_back_leaves_no_callback(
             return incr(name, *args, **kwargs)
 
         monkeypatch.setattr(metrics, "incr", incr_failing_for_the_killed_try)
+    elif ON_3_4:
+        send_callback = executor.send_callback
+
+        def send_callback_then_fail(request, **kwargs):
+            send_callback(request, **kwargs)
+            failing()
+
+        monkeypatch.setattr(executor, "send_callback", send_callback_then_fail)
     else:
         monkeypatch.setattr(TaskInstance, "handle_failure", failing)
 
