@@ -496,7 +496,7 @@ def test_send_callback_with_session_joins_the_callers_transaction(
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.skipif(
     series.V3 and (not ON_3_4 or hasattr(TaskInstance, "_lock_failing_try")) and env.BACKEND == "sqlite",
-    reason="series v3 (3.4: from its row-lock patch on) makes a legacy executor's send after the failure is written; called without a callback_sink (as here, and on 3.4 by the scheduler loop too: its queue has no executor-events patch) it runs while the caller holds SQLite's write lock and waits for it",
+    reason="series v3 (3.4: from its row-lock patch on) makes a legacy executor's send after the failure is written; called without a callback_sink (as here, not by the scheduler loop) it runs while the caller holds SQLite's write lock and waits for it",
 )
 @pytest.mark.db_test
 @pytest.mark.proves(PATCH)
@@ -532,6 +532,44 @@ def test_legacy_executor_override_does_not_commit_scheduler_transaction(
     assert other_session.scalar(select(TaskInstance.state).where(TaskInstance.task_id == "t1")) == (
         TaskInstanceState.UP_FOR_RETRY
     )
+
+
+@pytest.mark.skipif(not ON_3_4, reason="3.4's queue: its row-lock patch defers a legacy executor's send")
+@pytest.mark.db_test
+@pytest.mark.proves("Lock-the-task-instance-row-when-handling-its-failure.patch")
+@pytest.mark.parametrize("outcome", ["committed", "rolled_back"])
+def test_legacy_executor_send_waits_for_the_commit_of_the_failure(
+    scheduler_job_runner, dag_maker, session, other_session, monkeypatch, outcome
+):
+    """
+    An executor overriding ``send_callback(self, request)`` commits its request on its own. The executor-event
+    path (given the scheduler loop's after-commit list) sends it only after the failure is committed: never
+    for a failure that was rolled back, and on SQLite not while the scheduler holds the write lock (the 3.4
+    row-lock patch sends after failure handling wrote the failure). Before: it was sent in the middle of the
+    batch, so a rolled-back failure still had its callback.
+    """
+    executor = scheduler_job_runner.executor
+    monkeypatch.setattr(executor, "send_callback", MethodType(_legacy_send_callback, executor))
+    (ti,) = _make_running_tis(dag_maker, session, scheduler_job_runner)
+    _queue_event(executor, ti)
+
+    after_commit: list = []
+    with once_its_heartbeat_timed_out():
+        scheduler_job_runner._process_executor_events(
+            executor=executor, session=session, callback_sink=after_commit
+        )
+    assert executor.callbacks_sent == []
+    if outcome == "committed":
+        session.commit()
+        for call in after_commit:
+            call()
+        assert _callback_rows(other_session) == 1
+        expected = TaskInstanceState.UP_FOR_RETRY
+    else:
+        session.rollback()
+        assert _callback_rows(other_session) == 0
+        expected = TaskInstanceState.RUNNING
+    assert other_session.scalar(select(TaskInstance.state).where(TaskInstance.task_id == "t1")) == expected
 
 
 # ----------------------------------------------------------------------------------------------
