@@ -540,7 +540,7 @@ def test_legacy_executor_override_does_not_commit_scheduler_transaction(
     )
 
 
-@pytest.mark.skipif(not ON_3_4, reason="3.4's queue: its executor-events patch defers a legacy executor's send")
+@pytest.mark.skipif(not ON_3_4, reason="3.4's queue: its executor-events patch defers a legacy send")
 @pytest.mark.db_test
 @pytest.mark.proves("Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch")
 @pytest.mark.parametrize("outcome", ["committed", "rolled_back"])
