@@ -358,7 +358,8 @@ def test_heartbeat_purge_rolled_back_leaves_no_callback(
     The error is injected in what follows the callback: ``handle_failure`` (where the purge fails the
     TI, from the issue-3 patches on) and ``change_state``; on series v3, which fails the try before it
     sends the callback and tells the executor after the commit, the pass's metric of the killed try. 3.4
-    sends the callback, then fails the try: ``handle_failure``, whichever patches its queue carries.
+    sends the callback before failure handling, and after it from its row-lock patch on: the send itself, right
+    after the request is written.
     """
     import airflow.jobs.scheduler_job_runner as scheduler_module
 
@@ -380,6 +381,14 @@ def test_heartbeat_purge_rolled_back_leaves_no_callback(
             return incr(name, *args, **kwargs)
 
         monkeypatch.setattr(metrics, "incr", incr_failing_for_the_killed_try)
+    elif ON_3_4:
+        send_callback = executor.send_callback
+
+        def send_callback_then_fail(request, **kwargs):
+            send_callback(request, **kwargs)
+            failing()
+
+        monkeypatch.setattr(executor, "send_callback", send_callback_then_fail)
     else:
         monkeypatch.setattr(TaskInstance, "handle_failure", failing)
 
@@ -529,6 +538,44 @@ def test_legacy_executor_override_does_not_commit_scheduler_transaction(
     assert other_session.scalar(select(TaskInstance.state).where(TaskInstance.task_id == "t1")) == (
         TaskInstanceState.UP_FOR_RETRY
     )
+
+
+@pytest.mark.skipif(not ON_3_4, reason="3.4's queue: its executor-events patch defers a legacy send")
+@pytest.mark.db_test
+@pytest.mark.proves("Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch")
+@pytest.mark.parametrize("outcome", ["committed", "rolled_back"])
+def test_legacy_executor_send_waits_for_the_commit_of_the_failure(
+    scheduler_job_runner, dag_maker, session, other_session, monkeypatch, outcome
+):
+    """
+    An executor overriding ``send_callback(self, request)`` commits its request on its own. The executor-event
+    path (given the scheduler loop's after-commit list) sends it only after the failure is committed: never
+    for a failure that was rolled back, and on SQLite not while the scheduler holds the write lock (3.4's
+    row-lock patch sends after failure handling wrote the failure). Before (3.4's executor-events patch): it
+    was sent in the middle of the batch, so a rolled-back failure still had its callback.
+    """
+    executor = scheduler_job_runner.executor
+    monkeypatch.setattr(executor, "send_callback", MethodType(_legacy_send_callback, executor))
+    (ti,) = _make_running_tis(dag_maker, session, scheduler_job_runner)
+    _queue_event(executor, ti)
+
+    after_commit: list = []
+    with once_its_heartbeat_timed_out():
+        scheduler_job_runner._process_executor_events(
+            executor=executor, session=session, callback_sink=after_commit
+        )
+    assert executor.callbacks_sent == []
+    if outcome == "committed":
+        session.commit()
+        for call in after_commit:
+            call()
+        assert _callback_rows(other_session) == 1
+        expected = TaskInstanceState.UP_FOR_RETRY
+    else:
+        session.rollback()
+        assert _callback_rows(other_session) == 0
+        expected = TaskInstanceState.RUNNING
+    assert other_session.scalar(select(TaskInstance.state).where(TaskInstance.task_id == "t1")) == expected
 
 
 # ----------------------------------------------------------------------------------------------

@@ -620,10 +620,17 @@ def test_a_deleted_task_instance_under_any_event_kind_does_not_end_the_loop(
     assert runner.executor.event_buffer == {}
 
 
+# The 3.4 queue's patch 8: failure handling declines a try another writer ended or moved on from after the caller's
+# unlocked read (no row lock on SQLite and MariaDB), and then nothing is sent for it.
+ROW_LOCK_PATCH = "Lock-the-task-instance-row-when-handling-its-failure.patch"
+# The executor-event batch's read of its task instances (the whole rows, joined with their DAG runs, by id).
+BATCH_READ = r"^\s*SELECT task_instance\.id, task_instance\.task_id\b.*\bFROM task_instance\b.*\btask_instance\.id IN\b"
+
+
 def _event_step_with_a_commit_after_the_batch_read(runner, ti_id, **values) -> None:
     """
     The executor-event step, while another connection commits ``values`` on the try right after the
-    batch's "state mismatch" log row (flushed after the batch read, before failure handling).
+    batch's read (no row lock on SQLite and MariaDB), before failure handling.
     """
     from tests.unit.ti_race import executor_events_step
 
@@ -632,65 +639,64 @@ def _event_step_with_a_commit_after_the_batch_read(runner, ti_id, **values) -> N
             s.execute(update(TI).where(TI.id == ti_id).values(**values))
             s.commit()
 
-    hook = AfterStatement(r"^\s*INSERT INTO log\b", commit)
+    hook = AfterStatement(BATCH_READ, commit)
     try:
         executor_events_step(runner)
     finally:
         hook.remove()
-    assert hook.fired, "the event was not taken for an externally killed task"
+    assert hook.fired, "the batch did not read the task instance"
 
 
-@pytest.mark.backend("mysql")
+def current_tries(dag_id: str) -> list:
+    with settings.NonScopedSession() as s:
+        return s.execute(select(TI.id, TI.state).where(TI.dag_id == dag_id, TI.working_set.is_(True))).all()
+
+
+@pytest.mark.proves(ROW_LOCK_PATCH)
+@pytest.mark.backend("sqlite", "mysql")
 @pytest.mark.skipif(
     not hasattr(TI, "working_set"), reason="3.4 only: complete_restart releases a cleared try"
-)
-@pytest.mark.xfail(
-    strict=True,
-    reason="Lock-the-task-instance-row-when-handling-its-failure.patch (3.4): _lock_failing_try accepts a row "
-    "now restarting (kept from 3.3.2), so a try a clear set to restarting after the batch's unlocked read "
-    "(MariaDB: with_row_locks takes no lock) is failed for retry instead of left to complete_restart",
 )
 def test_executor_event_leaves_a_try_cleared_after_the_batch_read_to_its_restart(
     dag_maker, session, scheduler_job_runner
 ):
     """
     A FAILED executor event of a running try (no heartbeat); after the batch read it, a clear of the
-    running try commits ``restarting`` (no row lock on MariaDB). 3.4 releases a restarting try with
-    ``complete_restart`` (the purge and the event loop do so when they read it restarting): the try
-    must not be failed for retry (no up_for_retry successor).
+    running try commits ``restarting``. 3.4 releases a restarting try with ``complete_restart`` (the
+    purge and the event loop do so when they read it restarting, the execution API when its process
+    reports): failure handling must leave it so, not fail it for retry. Before: the row lock patch
+    accepted a row now restarting (kept from 3.3.2): an up_for_retry successor, a failure callback.
     """
 
     runner = scheduler_job_runner
     (ti,) = make_running_tis(
-        dag_maker, session, dag_id="restart_after_batch_read", queued_by_job_id=runner.job.id
+        dag_maker,
+        session,
+        dag_id="restart_after_batch_read",
+        queued_by_job_id=runner.job.id,
+        on_failure_callback=on_failure,
     )
     ti_id, dag_id = ti.id, ti.dag_id
     runner.executor.event_buffer[ti.key] = (FAILED, None)
     session.expunge_all()
 
     _event_step_with_a_commit_after_the_batch_read(runner, ti_id, state=RESTARTING)  # a clear
-    with settings.NonScopedSession() as s:
-        current = s.execute(
-            select(TI.id, TI.state).where(TI.dag_id == dag_id, TI.working_set.is_(True))
-        ).all()
-    assert [state for _, state in current] != [UP_FOR_RETRY], f"the cleared try was failed: {current}"
+    assert current_tries(dag_id) == [(ti_id, RESTARTING)]
+    assert task_callbacks("sensor") == []
 
 
-@pytest.mark.backend("mysql")
+@pytest.mark.proves(ROW_LOCK_PATCH)
+@pytest.mark.backend("sqlite", "mysql")
 @pytest.mark.skipif(not hasattr(TI, "working_set"), reason="3.4 queue: handle_failure declines there")
-@pytest.mark.xfail(
-    strict=True,
-    reason="Lock-the-task-instance-row-when-handling-its-failure.patch (3.4): handle_failure declines a try the "
-    "worker ended after the batch's unlocked read (MariaDB), but the event loop has already sent the failure "
-    "callback request, which the step commits: a failure callback for a try that succeeded",
-)
 def test_executor_event_sends_no_failure_callback_for_a_try_that_succeeded_after_the_batch_read(
     dag_maker, session, scheduler_job_runner
 ):
     """
-    A FAILED executor event of a running try (no heartbeat) of a task with a failure callback; after the
-    batch read it, the worker commits SUCCESS (no row lock on MariaDB). Failure handling then declines
-    (the row is no longer running); no failure callback request may be committed for the try.
+    A FAILED executor event of a running try (no heartbeat) of a task with a failure callback and
+    failure emails; after the batch read it, the worker commits SUCCESS. Failure handling declines
+    (the row is no longer running): no failure callback or email request may be committed for the try.
+    Before: the event loop sent both before failure handling declined (before the row lock patch,
+    failure handling overwrote the success).
     """
 
     runner = scheduler_job_runner
@@ -700,6 +706,7 @@ def test_executor_event_sends_no_failure_callback_for_a_try_that_succeeded_after
         dag_id="success_after_batch_read",
         queued_by_job_id=runner.job.id,
         on_failure_callback=on_failure,
+        **EMAIL_KWARGS,
     )
     ti_id = ti.id
     runner.executor.event_buffer[ti.key] = (FAILED, None)
@@ -709,3 +716,49 @@ def test_executor_event_sends_no_failure_callback_for_a_try_that_succeeded_after
     with settings.NonScopedSession() as s:
         assert s.scalar(select(TI.state).where(TI.id == ti_id)) == SUCCESS
     assert task_callbacks("sensor") == []
+    assert email_requests("sensor") == []
+
+
+@pytest.mark.proves(ROW_LOCK_PATCH)
+@pytest.mark.backend("sqlite", "mysql")
+@pytest.mark.skipif(
+    not hasattr(TI, "working_set"), reason="3.4 queue: the purge's revalidation is a plain read"
+)
+@pytest.mark.parametrize("ended", [SUCCESS, RESTARTING], ids=["worker-success", "cleared"])
+def test_heartbeat_purge_sends_nothing_for_a_try_that_moved_on_after_revalidation(
+    dag_maker, session, scheduler_job_runner, clock, timed_out_ti, ended
+):
+    """
+    3.4's heartbeat-timeout scan and revalidation lock no row on SQLite and MariaDB. Right after
+    revalidation read the timed-out try running, the worker commits SUCCESS, or a clear commits
+    ``restarting``. Failure handling declines: no callback, email request, "heartbeat timeout" log row
+    or executor FAILED for the try, which keeps the committed state. A cleared try is then released by
+    the next pass, as 3.4 purges a restarting try (``complete_restart``: a successor to be scheduled).
+    Before: the purge sent all of these before failure handling declined (a success) or failed the
+    cleared try for retry.
+    """
+    runner = scheduler_job_runner
+    dag_id = f"hb_{ended.value}_after_revalidation"
+    dr, ti_id = timed_out_ti(dag_id, on_failure_callback=on_failure, retries=1, **EMAIL_KWARGS)
+
+    def commit() -> None:
+        with settings.NonScopedSession() as s:
+            s.execute(update(TI).where(TI.id == ti_id).values(state=ended))
+            s.commit()
+
+    hook = AfterStatement(REVALIDATION, commit)
+    try:
+        purge(runner)
+    finally:
+        hook.remove()
+    assert hook.fired, "the purge did not revalidate the try"
+    assert current_tries(dag_id) == [(ti_id, ended)]
+    assert task_callbacks("t") == []
+    assert email_requests("t") == []
+    assert heartbeat_logs(dag_id) == 0
+    assert failed_keys(runner) == []
+    if ended == RESTARTING:
+        purge(runner)
+        [(successor_id, state)] = current_tries(dag_id)
+        assert (successor_id != ti_id, state) == (True, None)
+        assert len(failed_keys(runner)) == 1
