@@ -627,24 +627,30 @@ ROW_LOCK_PATCH = "Lock-the-task-instance-row-when-handling-its-failure.patch"
 BATCH_READ = r"^\s*SELECT task_instance\.id, task_instance\.task_id\b.*\bFROM task_instance\b.*\btask_instance\.id IN\b"
 
 
-def _event_step_with_a_commit_after_the_batch_read(runner, ti_id, **values) -> None:
+def _with_a_commit_after(statement, step, ti_id, **values) -> None:
     """
-    The executor-event step, while another connection commits ``values`` on the try right after the
-    batch's read (no row lock on SQLite and MariaDB), before failure handling.
+    Run ``step()`` while another connection commits ``values`` on the try right after the step's
+    ``statement`` (no row lock on SQLite and MariaDB), before failure handling.
     """
-    from tests.unit.ti_race import executor_events_step
 
     def commit() -> None:
         with settings.NonScopedSession() as s:
             s.execute(update(TI).where(TI.id == ti_id).values(**values))
             s.commit()
 
-    hook = AfterStatement(BATCH_READ, commit)
+    hook = AfterStatement(statement, commit)
     try:
-        executor_events_step(runner)
+        step()
     finally:
         hook.remove()
-    assert hook.fired, "the batch did not read the task instance"
+    assert hook.fired, "the step did not send the statement the commit follows"
+
+
+def _event_step_with_a_commit_after_the_batch_read(runner, ti_id, **values) -> None:
+    """The executor-event step, with ``values`` committed on the try right after the batch's read."""
+    from tests.unit.ti_race import executor_events_step
+
+    _with_a_commit_after(BATCH_READ, lambda: executor_events_step(runner), ti_id, **values)
 
 
 def current_tries(dag_id: str) -> list:
@@ -741,17 +747,7 @@ def test_heartbeat_purge_sends_nothing_for_a_try_that_moved_on_after_revalidatio
     dag_id = f"hb_{ended.value}_after_revalidation"
     dr, ti_id = timed_out_ti(dag_id, on_failure_callback=on_failure, retries=1, **EMAIL_KWARGS)
 
-    def commit() -> None:
-        with settings.NonScopedSession() as s:
-            s.execute(update(TI).where(TI.id == ti_id).values(state=ended))
-            s.commit()
-
-    hook = AfterStatement(REVALIDATION, commit)
-    try:
-        purge(runner)
-    finally:
-        hook.remove()
-    assert hook.fired, "the purge did not revalidate the try"
+    _with_a_commit_after(REVALIDATION, lambda: purge(runner), ti_id, state=ended)
     assert current_tries(dag_id) == [(ti_id, ended)]
     assert task_callbacks("t") == []
     assert email_requests("t") == []
