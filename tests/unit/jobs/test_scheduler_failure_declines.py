@@ -41,6 +41,7 @@ from tests.unit.harness import env, series
 from tests.unit.jobs import test_scheduler_heartbeat_timeout as heartbeat_tests
 from tests.unit.jobs.test_scheduler_heartbeat_timeout import (
     EMAIL_KWARGS,
+    RUNNING,
     committed_requests,
     committed_state,
     email_requests,
@@ -69,7 +70,6 @@ pytestmark = pytest.mark.db_test
 clock = heartbeat_tests.clock
 timed_out_ti = heartbeat_tests.timed_out_ti
 
-RUNNING = TaskInstanceState.RUNNING
 FAILED = TaskInstanceState.FAILED
 SUCCESS = TaskInstanceState.SUCCESS
 UP_FOR_RETRY = TaskInstanceState.UP_FOR_RETRY
