@@ -111,8 +111,8 @@ def put_back_key(key: Any, ti_id: Any) -> Any:
     apply: on 3.4 the key is resolved to the try's id when the buffer is drained (``TaskInstanceUuid``, as 3.4
     puts back an event of a row ``SKIP LOCKED`` skipped); on older bases the key itself.
     """
-    if _release(BASE_VERSION) < (3, 4):
+    try:
+        from airflow.executors.workloads.types import TaskInstanceUuid
+    except ImportError:  # before 3.4
         return key
-    from airflow.executors.workloads.types import TaskInstanceUuid
-
     return TaskInstanceUuid(ti_id)
