@@ -653,6 +653,22 @@ def _event_step_with_a_commit_after_the_batch_read(runner, ti_id, **values) -> N
     _with_a_commit_after(BATCH_READ, lambda: executor_events_step(runner), ti_id, **values)
 
 
+def _running_try_with_a_failed_event(dag_maker, session, runner, dag_id: str, **task_kwargs):
+    """A running try (no heartbeat) with a failure callback and a FAILED executor event; its id."""
+    (ti,) = make_running_tis(
+        dag_maker,
+        session,
+        dag_id=dag_id,
+        queued_by_job_id=runner.job.id,
+        on_failure_callback=on_failure,
+        **task_kwargs,
+    )
+    runner.executor.event_buffer[ti.key] = (FAILED, None)
+    ti_id = ti.id
+    session.expunge_all()
+    return ti_id
+
+
 def current_tries(dag_id: str) -> list:
     with settings.NonScopedSession() as s:
         return s.execute(select(TI.id, TI.state).where(TI.dag_id == dag_id, TI.working_set.is_(True))).all()
@@ -674,17 +690,8 @@ def test_executor_event_leaves_a_try_cleared_after_the_batch_read_to_its_restart
     accepted a row now restarting (kept from 3.3.2): an up_for_retry successor, a failure callback.
     """
 
-    runner = scheduler_job_runner
-    (ti,) = make_running_tis(
-        dag_maker,
-        session,
-        dag_id="restart_after_batch_read",
-        queued_by_job_id=runner.job.id,
-        on_failure_callback=on_failure,
-    )
-    ti_id, dag_id = ti.id, ti.dag_id
-    runner.executor.event_buffer[ti.key] = (FAILED, None)
-    session.expunge_all()
+    runner, dag_id = scheduler_job_runner, "restart_after_batch_read"
+    ti_id = _running_try_with_a_failed_event(dag_maker, session, runner, dag_id)
 
     _event_step_with_a_commit_after_the_batch_read(runner, ti_id, state=RESTARTING)  # a clear
     assert current_tries(dag_id) == [(ti_id, RESTARTING)]
@@ -706,17 +713,9 @@ def test_executor_event_sends_no_failure_callback_for_a_try_that_succeeded_after
     """
 
     runner = scheduler_job_runner
-    (ti,) = make_running_tis(
-        dag_maker,
-        session,
-        dag_id="success_after_batch_read",
-        queued_by_job_id=runner.job.id,
-        on_failure_callback=on_failure,
-        **EMAIL_KWARGS,
+    ti_id = _running_try_with_a_failed_event(
+        dag_maker, session, runner, "success_after_batch_read", **EMAIL_KWARGS
     )
-    ti_id = ti.id
-    runner.executor.event_buffer[ti.key] = (FAILED, None)
-    session.expunge_all()
 
     _event_step_with_a_commit_after_the_batch_read(runner, ti_id, state=SUCCESS, end_date=timezone.utcnow())
     with settings.NonScopedSession() as s:
