@@ -100,8 +100,8 @@ def test_legacy_callback_path_sends_one_request_when_the_event_is_handled_again(
 ):
     """
     The first handling of a FAILED executor event fails in the database (a foreign-key error on
-    the UPDATE of the task instance's id) and is rolled back; the next pass handles it. The try
-    must have exactly one callback request. Before: the 3.3.2-style executor/sink committed the
+    the UPDATE of the task instance's id) and is rolled back; it is handled again (by the same step,
+    in a transaction of its own, or by the next one). The try must have exactly one callback request. Before: the 3.3.2-style executor/sink committed the
     request at once, in both passes: two requests for one failed try.
     """
     runner = scheduler_job_runner
@@ -127,8 +127,6 @@ def test_legacy_callback_path_sends_one_request_when_the_event_is_handled_again(
     finally:
         injected.remove()
     assert injected.fired
-    assert list(executor.event_buffer), "the event was not put back for the next pass"
-
     executor_events_step(runner)
     assert [(r.state, r.try_number) for r in rows(dag_id)] == RETRIED
     requests = [r for r in callbacks_of(dag_id) if isinstance(r, TaskCallbackRequest)]

@@ -1,9 +1,10 @@
 # Licensed under the Apache License, Version 2.0 (the "License"); see the Apache Airflow project.
 """
 A database error other than IntegrityError / OperationalError in one executor event (a ``DataError``: PostgreSQL
-22001, MySQL 1406 "Data too long") is contained by that event's savepoint: the other events of the step are
-committed, the failing one is put back. Found by review of series v3 (before: the error left the savepoint and
-the scheduler loop rolled back every event of the step, in every loop).
+22001, MySQL 1406 "Data too long") is contained: the step's transaction is rolled back and its events handled
+again one per transaction, so the other events are committed and the failing one is put back. Found by review
+of series v3 (before: the error was not caught and the scheduler loop rolled back every event of the step, in
+every loop).
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ def reject_updates_with_a_data_error(task_id: str):
 @pytest.mark.backend(
     "postgres",
     "mysql",
-    reason="SQLite takes no savepoint: an event failing the same way every loop rolls back the whole step "
-    "every loop (README, known limitations)",
+    reason="the DataError is raised by a PostgreSQL function / MySQL trigger; on SQLite the same containment is "
+    "shown by test_flush_error_undoes_only_the_failing_event",
 )
 @pytest.mark.proves(PATCH)
 def test_a_data_error_in_one_event_does_not_hold_back_the_others(dag_maker, session, scheduler_job_runner):

@@ -165,14 +165,11 @@ def committed_mismatch_logs(dag_id: str) -> list[str]:
 @pytest.mark.proves(P_CONTAIN)
 def test_flush_error_undoes_only_the_failing_event(dag_maker, session, scheduler_job_runner, backend):
     """
-    The UPDATE of one TI is rejected inside its event's savepoint, at the flush. Every event
-    popped before it in the batch and not committed yet (a callback-key event, which is always
-    handled first, and a QUEUED event's ``external_executor_id``) keeps its effect and is committed
-    with the batch; only the failing event is undone and put back in the buffer. (No other FAILED
-    event in this batch: its failure handling commits, which would commit the earlier effects too.)
+    The UPDATE of one TI is rejected at the flush, every time. Every other event of the batch (a
+    callback-key event, which is always handled first, and a QUEUED event's ``external_executor_id``)
+    keeps its effect and is committed (handled again, each in a transaction of its own, after the
+    batch's transaction rolled back); only the failing event is undone and put back in the buffer.
     """
-    if backend == "sqlite":
-        pytest.skip(NO_SAVEPOINT_ON_SQLITE)
     runner = scheduler_job_runner
     executor = runner.executor
     by_task, callback_key = queued_and_poison_with_a_callback(dag_maker, session, runner, "flush_error")
@@ -185,8 +182,7 @@ def test_flush_error_undoes_only_the_failing_event(dag_maker, session, scheduler
     session.expunge_all()
 
     with reject_updates_of(POISON):
-        runner._process_executor_events(executor=executor, session=session)
-        session.commit()
+        executor_events_step(runner)
 
     if callback_key is not None:
         assert committed_callback_state(callback_key) == CallbackState.SUCCESS, "callback event lost"
@@ -260,7 +256,7 @@ def test_failed_commit_puts_back_every_event_and_the_scheduler_goes_on(
     """
     The COMMIT of the batch fails (its connection is ended right before it): one pass of the real
     scheduler loop does not raise, and every event taken out of the buffer in that transaction, the callback-key
-    event included, is back in the buffer; the next step applies them all (upstream #69975).
+    event included, is put back and handled again, each in a transaction of its own (upstream #69975).
     """
     if backend == "sqlite":
         pytest.skip("sqlite: a server session that another connection can end does not exist there")
@@ -291,12 +287,6 @@ def test_failed_commit_puts_back_every_event_and_the_scheduler_goes_on(
     finally:
         killer.remove()
     assert killer.fired, "the batch's COMMIT was not reached"
-    if callback_key is not None:
-        assert committed_callback_state(callback_key) == CallbackState.QUEUED
-    assert committed_ti("commit_fails", "a") == (TaskInstanceState.RUNNING, None)
-    assert executor.event_buffer == events, "events taken in the failed transaction were lost"
-
-    runner._run_scheduler_loop()
     if callback_key is not None:
         assert committed_callback_state(callback_key) == CallbackState.SUCCESS
     assert committed_ti("commit_fails", "a") == (TaskInstanceState.RUNNING, "external-a")
@@ -790,7 +780,10 @@ class EndConnectionAtStatement:
 def test_connection_lost_at_the_batch_locking_read_puts_back_every_event(
     dag_maker, session, scheduler_job_runner, backend
 ):
-    """An error outside the events' savepoints (found by review): the events not taken yet come back too."""
+    """
+    The connection is lost at the batch's read, before any event of a task instance was taken (found by
+    review): those events are put back too, and handled again, each in a transaction of its own.
+    """
     if backend == "sqlite":
         pytest.skip("sqlite: no server connection to end")
     runner = scheduler_job_runner
@@ -799,11 +792,12 @@ def test_connection_lost_at_the_batch_locking_read_puts_back_every_event(
         dag_maker, session, dag_id="conn_lost", task_ids=("a", "b"), queued_by_job_id=runner.job.id
     )
     events = {
-        tis[0].key: (TaskInstanceState.FAILED, None),
-        tis[1].key: (TaskInstanceState.SUCCESS, None),
+        tis[0].key: (TaskInstanceState.QUEUED, "external-a"),
+        tis[1].key: (TaskInstanceState.RUNNING, "external-b"),
     }
-    if HAS_CALLBACK_EVENTS:
-        events = {make_queued_callback(session): (CallbackState.SUCCESS, None), **events}
+    callback_key = make_queued_callback(session) if HAS_CALLBACK_EVENTS else None
+    if callback_key is not None:
+        events = {callback_key: (CallbackState.SUCCESS, None), **events}
     executor.event_buffer.update(events)
     session.expunge_all()
     session.close()
@@ -817,7 +811,11 @@ def test_connection_lost_at_the_batch_locking_read_puts_back_every_event(
     with EndConnectionAtStatement(read, after=after) as ended:
         runner._run_scheduler_loop()
     assert ended.fired
-    assert executor.event_buffer == events, "events taken out of the buffer were lost"
+    if callback_key is not None:
+        assert committed_callback_state(callback_key) == CallbackState.SUCCESS
+    assert committed_ti("conn_lost", "a") == (TaskInstanceState.RUNNING, "external-a")
+    assert committed_ti("conn_lost", "b") == (TaskInstanceState.RUNNING, "external-b")
+    assert executor.event_buffer == {}, "events taken out of the buffer were lost"
 
 
 @pytest.mark.proves(P_POISON)

@@ -313,8 +313,8 @@ def test_worker_success_committed_between_scan_and_failure_is_kept(
     scan = runner._find_task_instances_without_heartbeats
     found: list[str] = []
 
-    def scan_then_worker_commits_success(*, session):
-        tis = scan(session=session)
+    def scan_then_worker_commits_success(*, session, **kwargs):
+        tis = scan(session=session, **kwargs)
         found.extend(ti.task_id for ti in tis)
         # The worker's state update (execution API): lock (a no-op here), check, set, commit --
         # on its own connection, after the scan read the row and before the purge uses it.
@@ -639,8 +639,8 @@ def test_worker_state_update_waits_for_purge_and_finds_ti_failed(
     scan = runner._find_task_instances_without_heartbeats
     observer_engine = db.make_engine()
 
-    def scan_then_worker_blocks(*, session):
-        tis = scan(session=session)
+    def scan_then_worker_blocks(*, session, **kwargs):
+        tis = scan(session=session, **kwargs)
         thread.start()
         with db.make_session_factory(observer_engine)() as observer:
             wait_until_blocked_on_lock(observer, worker_conn, worker_done)

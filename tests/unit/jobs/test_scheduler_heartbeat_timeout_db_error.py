@@ -3,9 +3,9 @@
 A database error while the heartbeat-timeout purge fails one TI does not stop the pass (guard).
 
 Since ``Fail-heartbeat-timed-out-tries-in-the-same-pass.patch`` the purge runs ``ti.handle_failure``
-(retry preparation, id rotation, fail_fast, commit) for each timed-out TI, in a savepoint per TI:
-a database error there is logged, only that TI's work is rolled back, and the other timed-out TIs
-of the pass are handled (the error would otherwise leave the scheduler loop's timer). On 3.3.2 and
+(retry preparation, id rotation, fail_fast) for each timed-out TI; since the executor-event patch a
+database error there is logged, the pass is rolled back and redone one TI per transaction, so only
+that TI's work is lost and the other timed-out TIs of the pass are handled (the error would otherwise leave the scheduler loop's timer). On 3.3.2 and
 base + patches 1-4 the purge runs no such writes, so the behaviour holds at every step: a guard,
 not a fail-before proof.
 
@@ -32,7 +32,7 @@ from airflow.models.taskinstance import TaskInstance
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit.harness import env, series
+from tests.unit.harness import series
 from tests.unit.jobs.test_scheduler_survives_failure_handling import ForeignKeyViolationOnce
 
 pytestmark = pytest.mark.db_test
@@ -40,10 +40,6 @@ pytestmark = pytest.mark.db_test
 T0 = datetime(2026, 3, 2, 12, 0, 0, tzinfo=timezone.utc)
 
 
-@pytest.mark.skipif(
-    series.V3 and env.BACKEND == "sqlite",
-    reason="series v3 takes no savepoint on SQLite (pysqlite's SAVEPOINT pins a read snapshot): a database error rolls back the whole pass, which the next pass repeats",
-)
 # Series v3: the purge contains a database error per task instance from the executor-event patch on.
 @(
     pytest.mark.proves("Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch")

@@ -29,8 +29,7 @@ from airflow.models.taskinstance import TaskInstance
 from airflow.models.taskreschedule import TaskReschedule
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit.harness import env, series
-from tests.unit.ti_race import make_running_tis, read_rows
+from tests.unit.ti_race import executor_events_step, make_running_tis, read_rows
 
 P4 = "Keep-the-scheduler-running-when-one-executor-event-fails-in-the-DB.patch"
 
@@ -99,10 +98,6 @@ class ForeignKeyViolationOnce:
 
 
 @pytest.mark.skipif(
-    series.V3 and env.BACKEND == "sqlite",
-    reason="series v3 takes no savepoint on SQLite: a database error rolls back the scheduler loop's whole executor-event transaction, whose events are put back (test_failed_commit_puts_back_every_event_and_the_scheduler_goes_on)",
-)
-@pytest.mark.skipif(
     ON_3_4,
     reason="3.4: its premise is gone (retry preparation keeps the try's id and task_reschedule rows); the "
     "containment of one event's database error: test_a_data_error_in_one_event_does_not_hold_back_the_others, "
@@ -127,35 +122,21 @@ def test_integrity_error_in_failure_handling_does_not_stop_the_scheduler(
     try:
         with caplog.at_level(logging.ERROR):
             try:
-                runner._process_executor_events(executor=executor, session=session)
+                executor_events_step(runner)
             except Exception as e:
-                pytest.fail(f"_process_executor_events raised {e!r}: the scheduler loop would exit")
+                pytest.fail(f"the executor-event step raised {e!r}: the scheduler loop would exit")
     finally:
         injected.remove()
-    session.commit()
     assert injected.fired, "no UPDATE of a task instance id was seen"
 
-    rows = {task_id: read_rows(*key) for task_id, key in keys.items()}
-    failed_first = [t for t, r in rows.items() if r.state == TaskInstanceState.RUNNING]
-    handled = [t for t, r in rows.items() if r.state == TaskInstanceState.UP_FOR_RETRY]
-    # The event whose handling failed is rolled back entirely (no try history, old id, no
-    # task_reschedule row from the failed attempt), the other event of the batch is handled.
-    assert len(failed_first) == 1 and len(handled) == 1, rows
-    (failed,), (other,) = failed_first, handled
-    assert rows[failed].ti_id == old_ids[failed] and rows[failed].history_tries == [], rows
-    assert rows[failed].reschedule_ti_ids == [], rows
-    assert rows[other].ti_id != old_ids[other] and rows[other].history_tries == [1], rows
-    assert listener.failed == [other], "listener called for a failure that was rolled back"
+    # The failed attempt is rolled back entirely and both events are handled again, each in a
+    # transaction of its own: one retry each (new id, one history row), one listener call each.
+    for task_id, key in keys.items():
+        row = read_rows(*key)
+        assert row.state == TaskInstanceState.UP_FOR_RETRY, row
+        assert row.ti_id != old_ids[task_id] and row.history_tries == [1], row
+    assert sorted(listener.failed) == sorted(keys), "listener called for a failure that was rolled back"
     logged = caplog.text + "".join(capsys.readouterr())  # stdlib logging or Airflow's structlog output
-    assert "Database error while handling executor event" in logged, "the database error was not logged"
+    assert "Executor events rolled back" in logged, "the database error was not logged"
     assert "IntegrityError" in logged, "the database error was not logged with its exception"
-    # The failed event is back in the executor's buffer, handled on the next pass.
-    assert [k.task_id for k in executor.event_buffer] == [failed]
-
-    runner._process_executor_events(executor=executor, session=session)
-    session.commit()
-    again = read_rows(*keys[failed])
-    assert again.state == TaskInstanceState.UP_FOR_RETRY, again
-    assert again.ti_id != old_ids[failed] and again.history_tries == [1], again
-    assert sorted(listener.failed) == sorted([failed, other])
     assert executor.event_buffer == {}

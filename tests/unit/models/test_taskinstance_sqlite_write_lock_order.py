@@ -89,8 +89,8 @@ def test_purge_fails_a_timed_out_try_after_one_whose_revalidation_declined(
     past_timeout(clock, runner)
     scan = runner._find_task_instances_without_heartbeats
 
-    def scan_then_a_heartbeats(*, session):
-        found = sorted(scan(session=session), key=lambda ti: ti.task_id)
+    def scan_then_a_heartbeats(*, session, **kwargs):
+        found = sorted(scan(session=session, **kwargs), key=lambda ti: ti.task_id)
         assert [ti.task_id for ti in found] == ["a", "b"], found
         with settings.NonScopedSession() as other:  # the worker of "a" heartbeats (execution API)
             other.execute(
