@@ -35,7 +35,7 @@ from tests.unit.ti_race import (
     WAIT,
     Pause,
     Worker,
-    handle_executor_events,
+    executor_events_step,
     lock_waiters,
     make_running_tis,
     read_rows,
@@ -82,7 +82,7 @@ def test_reschedule_read_before_retry_preparation_commits(dag_maker, session, sc
     runner.executor.event_buffer[key] = (TaskInstanceState.FAILED, None)
     session.expunge_all()
 
-    scheduler = Worker(handle_executor_events(runner, session), name="scheduler")
+    scheduler = Worker(lambda: executor_events_step(runner), name="scheduler")
     pause = Pause(API_READS_TI, not_thread=scheduler)
     try:
         api_call = api.reschedule_in_thread(ti_id)
