@@ -336,6 +336,17 @@ def top_level(module: ast.Module) -> dict[str, ast.stmt]:
     return names
 
 
+def one_import(node: ast.stmt, name: str) -> str | None:
+    """The import of ``name`` alone that the statement ``node`` makes (its alias kept), else None."""
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        for alias in node.names:
+            if (alias.asname or alias.name).split(".")[0] == name:
+                if isinstance(node, ast.ImportFrom):
+                    return ast.unparse(ast.ImportFrom(module=node.module, names=[alias], level=node.level))
+                return ast.unparse(ast.Import(names=[alias]))
+    return None
+
+
 def segment(source_lines: list[str], node: ast.stmt) -> str:
     return "".join(source_lines[first_line(node) - 1 : node.end_lineno])
 
@@ -464,7 +475,11 @@ class Inliner:
                             else ast.Import(names=[alias])
                         )
                         line = ast.unparse(one)
-                        if name in taken and taken[name] != line and taken[name] != "own":
+                        if taken.get(name) == "own" and one_import(own[name], name) != line:
+                            # The module binds the name otherwise (``from datetime import timezone`` where the
+                            # helper uses airflow's ``timezone``): the copy would call the module's.
+                            left.append(f"{name} (the module binds another: the inlined helpers use {line})")
+                        elif name in taken and taken[name] != line and taken[name] != "own":
                             left.append(f"{name} (import clashes)")
                         elif name not in taken:
                             taken[name] = line

@@ -652,6 +652,40 @@ def test_a_plain_import_of_a_project_module_used_dotted_is_a_name_left(tmp_path:
     assert left == ["tests (import tests.unit.helpers: a dotted use is not inlined)"]
 
 
+SHADOWED_IMPORT = """from datetime import timezone
+
+import pytest
+
+from airflow._shared.timezones import timezone as tz
+from tests.unit.helpers import stamp
+
+
+@pytest.mark.proves("Mine.patch")
+def test_stamped(session):
+    assert stamp(tz.utcnow()).tzinfo is timezone.utc
+"""
+SHADOWED_HELPERS = """from airflow._shared.timezones import timezone
+
+
+def stamp(when):
+    return timezone.coerce(when)
+"""
+
+
+def test_a_helper_import_the_module_binds_otherwise_is_a_name_left(tmp_path: Path):
+    """The module's ``timezone`` is datetime's; the helper's is airflow's: the copied helper would call the
+    module's (``datetime.timezone.utcnow`` in the 3.4 export of the heartbeat purge's test: AttributeError).
+    Reported as a name left, not "none"."""
+
+    module = _project(tmp_path, SHADOWED_IMPORT, {"helpers.py": SHADOWED_HELPERS})
+    text, inlined, left = _find_one(tmp_path, module, "test_stamped")
+    assert "def stamp(when):" in text
+    assert left == [
+        "timezone (the module binds another: the inlined helpers use "
+        "from airflow._shared.timezones import timezone)"
+    ]
+
+
 LAZY_FIXTURE = """from __future__ import annotations
 
 import pytest

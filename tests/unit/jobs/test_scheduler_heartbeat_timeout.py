@@ -17,14 +17,14 @@ sleep, and bound every wait.
 from __future__ import annotations
 
 import threading
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
 import pytest
 import time_machine
 from sqlalchemy import select, text, update
 
 from airflow import settings
-from airflow._shared.timezones import timezone as tz
+from airflow._shared.timezones import timezone
 from airflow.callbacks.callback_requests import EmailRequest, TaskCallbackRequest
 from airflow.models.db_callback_request import DbCallbackRequest
 from airflow.models.taskinstance import TaskInstance as TI
@@ -94,8 +94,8 @@ def start_ti(
     ti.queued_by_job_id = queued_by_job_id if queued_by_job_id is not None else runner.job.id
     ti.hostname = "worker-1"
     ti.pid = 4242
-    ti.start_date = tz.utcnow()
-    ti.last_heartbeat_at = tz.utcnow()
+    ti.start_date = timezone.utcnow()
+    ti.last_heartbeat_at = timezone.utcnow()
     session.commit()
     return ti
 
@@ -258,7 +258,7 @@ def test_scan_skips_ti_row_locked_by_worker_state_update(
             if not scanned.wait(WAIT):
                 raise TimeoutError("scan did not finish")
             other_session.execute(
-                update(TI).where(TI.id == ti_id).values(state=SUCCESS, end_date=tz.utcnow())
+                update(TI).where(TI.id == ti_id).values(state=SUCCESS, end_date=timezone.utcnow())
             )
             other_session.commit()
         except BaseException as e:
@@ -320,7 +320,9 @@ def test_worker_success_committed_between_scan_and_failure_is_kept(
         # on its own connection, after the scan read the row and before the purge uses it.
         state = other_session.execute(select(TI.state).where(TI.id == ti_id).with_for_update()).scalar()
         assert state == RUNNING
-        other_session.execute(update(TI).where(TI.id == ti_id).values(state=SUCCESS, end_date=tz.utcnow()))
+        other_session.execute(
+            update(TI).where(TI.id == ti_id).values(state=SUCCESS, end_date=timezone.utcnow())
+        )
         other_session.commit()
         return tis
 
@@ -624,7 +626,7 @@ def test_worker_state_update_waits_for_purge_and_finds_ti_failed(
             worker_saw.append(state)
             if state == RUNNING:
                 other_session.execute(
-                    update(TI).where(TI.id == ti_id).values(state=SUCCESS, end_date=tz.utcnow())
+                    update(TI).where(TI.id == ti_id).values(state=SUCCESS, end_date=timezone.utcnow())
                 )
                 other_session.commit()
             else:

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
 import pytest
 import time_machine
 from sqlalchemy import select
 
 from airflow import settings
-from airflow._shared.timezones import timezone as tz
+from airflow._shared.timezones import timezone
 from airflow.callbacks.callback_requests import TaskCallbackRequest
 from airflow.models.db_callback_request import DbCallbackRequest
 from airflow.models.taskinstance import TaskInstance
@@ -59,8 +59,8 @@ def test_purge_survives_db_error_of_one_ti(dag_maker, session, scheduler_job_run
             ti.try_number = 1
             ti.queued_by_job_id = runner.job.id
             ti.hostname = "worker-1"
-            ti.start_date = tz.utcnow()
-            ti.last_heartbeat_at = tz.utcnow()
+            ti.start_date = timezone.utcnow()
+            ti.last_heartbeat_at = timezone.utcnow()
             ids.append(ti.id)
         session.commit()
         session.close()
@@ -151,8 +151,8 @@ def test_purge_rolled_back_does_not_tell_the_executor(dag_maker, session, schedu
         ti.try_number = 1
         ti.queued_by_job_id = runner.job.id
         ti.hostname = "worker-1"
-        ti.start_date = tz.utcnow()
-        ti.last_heartbeat_at = tz.utcnow()
+        ti.start_date = timezone.utcnow()
+        ti.last_heartbeat_at = timezone.utcnow()
         key = ti.key
         session.commit()
         session.close()
