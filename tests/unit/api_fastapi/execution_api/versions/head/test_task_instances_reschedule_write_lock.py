@@ -12,7 +12,7 @@ INSERT fails on the foreign key and the API answers 500 (benchmark 3 on sqlite: 
 reschedules).
 
 Here the route stops right after its read; failure handling of the same task instance (a FAILED
-executor event, the scheduler's ``_process_executor_events``) runs then: on SQLite it commits, on
+executor event, the scheduler loop's executor-event step) runs then: on SQLite it commits, on
 PostgreSQL/MariaDB it waits for the row lock (seen in the server's lock bookkeeping). Then the route
 carries on. It must answer without a server error, and every ``task_reschedule`` row must belong to
 the task instance as committed: the reschedule either won (204, ``up_for_reschedule``) or found the
@@ -35,7 +35,7 @@ from tests.unit.ti_race import (
     WAIT,
     Pause,
     Worker,
-    handle_executor_events,
+    executor_events_step,
     lock_waiters,
     make_running_tis,
     read_rows,
@@ -82,7 +82,9 @@ def test_reschedule_read_before_retry_preparation_commits(dag_maker, session, sc
     runner.executor.event_buffer[key] = (TaskInstanceState.FAILED, None)
     session.expunge_all()
 
-    scheduler = Worker(handle_executor_events(runner, session), name="scheduler")
+    # The scheduler loop's step, which contains a database error of failure handling (MariaDB: no row lock,
+    # the retry's id change fails on the reschedule row committed meanwhile) and handles the event again.
+    scheduler = Worker(lambda: executor_events_step(runner), name="scheduler")
     pause = Pause(API_READS_TI, not_thread=scheduler)
     try:
         api_call = api.reschedule_in_thread(ti_id)
