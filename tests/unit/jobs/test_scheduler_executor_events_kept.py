@@ -818,6 +818,46 @@ def test_connection_lost_at_the_batch_locking_read_puts_back_every_event(
     assert executor.event_buffer == {}, "events taken out of the buffer were lost"
 
 
+@pytest.mark.proves(P_KEEP)
+def test_connection_lost_in_the_dag_lookup_of_an_event_does_not_stop_the_scheduler(
+    dag_maker, session, scheduler_job_runner, backend
+):
+    """
+    The connection is lost while a FAILED event's handling reads the serialized DAG (found by review).
+    Upstream's ``except Exception`` around that read swallows the error and the event's handling goes on:
+    the session's next use raises ``PendingRollbackError``, not a ``DBAPIError``. Before: it left the
+    scheduler loop. Now the step rolls back and handles the events again, one per transaction.
+    """
+    if backend == "sqlite":
+        pytest.skip("sqlite: no server connection to end")
+    from airflow.models.dagbag import DBDagBag
+
+    runner = scheduler_job_runner
+    runner.scheduler_dag_bag = DBDagBag()  # nothing cached: the event's handling reads the DAG
+    executor = runner.executor
+    failed, queued = make_running_tis(
+        dag_maker,
+        session,
+        dag_id="lookup_lost",
+        task_ids=("failed", "queued"),
+        queued_by_job_id=runner.job.id,
+    )
+    executor.event_buffer[failed.key] = (TaskInstanceState.FAILED, None)
+    executor.event_buffer[queued.key] = (TaskInstanceState.QUEUED, "external-q")
+    session.expunge_all()
+    session.close()
+
+    with EndConnectionAtStatement(r"\bFROM serialized_dag\b", after=r"") as ended:
+        try:
+            executor_events_step(runner)
+        except Exception as e:
+            pytest.fail(f"the executor-event step raised {e!r}: the scheduler loop would exit")
+    assert ended.fired, "the DAG lookup was not reached"
+    assert committed_ti("lookup_lost", "failed")[0] == TaskInstanceState.UP_FOR_RETRY
+    assert committed_ti("lookup_lost", "queued") == (TaskInstanceState.RUNNING, "external-q")
+    assert executor.event_buffer == {}
+
+
 @pytest.mark.proves(P_POISON)
 def test_given_up_event_stays_dropped_when_its_transaction_rolls_back(
     dag_maker, session, scheduler_job_runner, backend
