@@ -231,9 +231,11 @@ def test_dag_test_event_processing_raises_a_database_error(dag_maker, session, s
     session.expunge_all()
 
     with reject_updates_of(POISON):
-        with pytest.raises(Exception, match="rejected by test trigger"):
-            SchedulerJobRunner.process_executor_events(
-                executor=executor, job_id=None, scheduler_dag_bag=DBDagBag(), session=session
-            )
-        session.rollback()
+        try:
+            with pytest.raises(Exception, match="rejected by test trigger"):
+                SchedulerJobRunner.process_executor_events(
+                    executor=executor, job_id=None, scheduler_dag_bag=DBDagBag(), session=session
+                )
+        finally:
+            session.rollback()  # its row locks, before the trigger is dropped
     assert executor.event_buffer == {}, "the event was put back: dag.test() would retry it forever"
