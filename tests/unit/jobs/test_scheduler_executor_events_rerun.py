@@ -1,0 +1,241 @@
+# Licensed under the Apache License, Version 2.0 (the "License"); see the Apache Airflow project.
+"""
+A database error the scheduler's own code swallows, or one in a callback's state update, holds back no other event.
+
+Found by the review of the 3.4 queue's executor-events patch (docs/3.4.md, "A maintainer-style review of patches 3
+and 8"), when it ran each event in a savepoint: (1) a database error inside the Dag lookup of an event (or of the
+heartbeat-timeout purge) is swallowed by its ``except Exception``, the session then raises ``PendingRollbackError``
+(not a ``DBAPIError``), and the scheduler exited; (2) a callback's state update, which ran outside the per-event
+savepoints, rolled back the whole step every loop; (4) ``dag.test()``'s call of ``process_executor_events`` put back
+an event whose savepoint rolled back, so it was retried forever instead of raising. The executor-events patch now
+rolls back the step (or pass) and handles each event (or task instance) again in a transaction of its own.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from datetime import timedelta
+
+import pytest
+import time_machine
+from sqlalchemy import select, text
+
+import airflow
+from airflow import settings
+from airflow._shared.timezones import timezone as tz
+from airflow.models.taskinstance import TaskInstance
+from airflow.utils.state import TaskInstanceState
+
+from tests.unit.harness.compat import HAS_CALLBACK_EVENTS, put_back_key
+from tests.unit.harness.env import BACKEND
+from tests.unit.jobs.test_scheduler_executor_events_kept import (
+    POISON,
+    committed_callback_state,
+    committed_ti,
+    make_queued_callback,
+    reject_updates_of,
+)
+from tests.unit.ti_race import executor_events_step, make_running_tis
+
+P_KEEP = "Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch"
+
+pytestmark = [
+    pytest.mark.db_test,
+    pytest.mark.skipif(
+        airflow.__version__.startswith(("3.1.", "3.2.")),
+        reason="the 3.2.2 and 3.1.8 queues keep the savepoint shape of the executor-events patch (issue 32 "
+        "re-done it on 3.3.2 and 3.4.0b2 only)",
+    ),
+]
+
+
+def failing_dag_lookup(monkeypatch, runner, dag_id: str) -> None:
+    """
+    The scheduler's Dag lookup for a run of ``dag_id`` hits a database error that it swallows: it writes a NULL into
+    a NOT NULL column of the run and flushes, so the session's transaction is rolled back and its next use raises
+    ``PendingRollbackError`` (as after a lost connection, or a log row autoflushed in the lookup).
+    """
+    real = runner.scheduler_dag_bag.get_dag_for_run
+
+    def lookup(dag_run, session, **kwargs):
+        if dag_run.dag_id == dag_id:
+            dag_run.run_type = None
+            session.flush()
+        return real(dag_run=dag_run, session=session, **kwargs)
+
+    monkeypatch.setattr(runner.scheduler_dag_bag, "get_dag_for_run", lookup)
+
+
+@pytest.mark.proves(P_KEEP)
+def test_db_error_swallowed_in_the_dag_lookup_holds_back_only_its_event(
+    dag_maker, session, scheduler_job_runner, monkeypatch
+):
+    """
+    Review finding 1: the FAILED event's Dag lookup fails in the database every time and the error is swallowed.
+    The step does not raise (the scheduler would exit), the other event of the step is committed, and the
+    failing one is back in the buffer (under the try's id on 3.4), its task instance still running.
+    """
+    runner = scheduler_job_runner
+    executor = runner.executor
+    queued, poison = make_running_tis(
+        dag_maker, session, dag_id="lookup_error", task_ids=("queued", POISON), queued_by_job_id=runner.job.id
+    )
+    executor.event_buffer[queued.key] = (TaskInstanceState.QUEUED, "external-id-1")
+    executor.event_buffer[poison.key] = (TaskInstanceState.FAILED, None)
+    poison_key = put_back_key(poison.key, poison.id)
+    session.expunge_all()
+    failing_dag_lookup(monkeypatch, runner, "lookup_error")
+
+    try:
+        executor_events_step(runner)
+    except Exception as e:
+        pytest.fail(f"the executor-event step raised {e!r}: the scheduler would exit")
+
+    assert committed_ti("lookup_error", "queued") == (TaskInstanceState.RUNNING, "external-id-1")
+    assert committed_ti("lookup_error", POISON)[0] == TaskInstanceState.RUNNING
+    assert list(executor.event_buffer) == [poison_key]
+
+
+@pytest.mark.proves(P_KEEP)
+def test_db_error_swallowed_in_the_purge_dag_lookup_holds_back_only_its_task_instance(
+    dag_maker, session, scheduler_job_runner, monkeypatch
+):
+    """
+    Review finding 1, the heartbeat-timeout purge: the Dag lookup of one of two timed-out task instances fails in
+    the database every time and the error is swallowed. The pass does not raise, the other task instance is
+    failed (for retry), and the failing one is still running, for a later pass.
+    """
+    runner = scheduler_job_runner
+    with time_machine.travel(tz.utcnow(), tick=False) as clock:
+        (ok,) = make_running_tis(dag_maker, session, dag_id="purge_ok", task_ids=("t",))
+        (bad,) = make_running_tis(dag_maker, session, dag_id="purge_lookup_error", task_ids=("t",))
+        for ti in (ok, bad):
+            ti.queued_by_job_id = runner.job.id
+            ti.last_heartbeat_at = tz.utcnow()
+        session.commit()
+        session.expunge_all()
+        clock.shift(timedelta(seconds=runner._task_instance_heartbeat_timeout_secs + 60))
+        failing_dag_lookup(monkeypatch, runner, "purge_lookup_error")
+
+        try:
+            runner._find_and_purge_task_instances_without_heartbeats()
+        except Exception as e:
+            pytest.fail(f"the heartbeat-timeout pass raised {e!r}: the scheduler would exit")
+
+    with settings.NonScopedSession() as s:
+        states = dict(
+            s.execute(
+                select(TaskInstance.dag_id, TaskInstance.state).where(
+                    TaskInstance.dag_id.in_(("purge_ok", "purge_lookup_error"))
+                )
+            ).all()
+        )
+    assert states == {
+        "purge_ok": TaskInstanceState.UP_FOR_RETRY,
+        "purge_lookup_error": TaskInstanceState.RUNNING,
+    }
+
+
+@contextmanager
+def reject_callback_updates():
+    """A database trigger that rejects every UPDATE of a ``callback`` row, until the block ends."""
+    with settings.engine.begin() as conn:
+        if BACKEND == "postgres":
+            conn.execute(
+                text(
+                    "CREATE OR REPLACE FUNCTION test_reject_callback_update() RETURNS trigger AS $$ BEGIN "
+                    "RAISE EXCEPTION 'update of callback rejected by test trigger' "
+                    "USING ERRCODE = 'foreign_key_violation'; END $$ LANGUAGE plpgsql"
+                )
+            )
+            conn.execute(
+                text(
+                    "CREATE TRIGGER test_reject_callback_update BEFORE UPDATE ON callback FOR EACH ROW "
+                    "EXECUTE FUNCTION test_reject_callback_update()"
+                )
+            )
+        elif BACKEND == "mysql":
+            conn.execute(
+                text(
+                    "CREATE TRIGGER test_reject_callback_update BEFORE UPDATE ON callback FOR EACH ROW "
+                    "SIGNAL SQLSTATE '23000' SET MESSAGE_TEXT = 'update of callback rejected by test trigger', "
+                    "MYSQL_ERRNO = 1451"
+                )
+            )
+        else:
+            conn.execute(
+                text(
+                    "CREATE TRIGGER test_reject_callback_update BEFORE UPDATE ON callback FOR EACH ROW "
+                    "BEGIN SELECT RAISE(ABORT, 'update of callback rejected by test trigger'); END"
+                )
+            )
+    try:
+        yield
+    finally:
+        with settings.engine.begin() as conn:
+            conn.execute(
+                text(
+                    "DROP TRIGGER IF EXISTS test_reject_callback_update"
+                    + (" ON callback" if BACKEND == "postgres" else "")
+                )
+            )
+            if BACKEND == "postgres":
+                conn.execute(text("DROP FUNCTION IF EXISTS test_reject_callback_update()"))
+
+
+@pytest.mark.skipif(not HAS_CALLBACK_EVENTS, reason="no callback events on this base")
+@pytest.mark.proves(P_KEEP)
+def test_callback_state_update_failing_every_loop_holds_back_no_other_event(
+    dag_maker, session, scheduler_job_runner
+):
+    """
+    Review finding 2: the database rejects a callback's state update every time. The step does not raise, the
+    task instance's event of the same step is committed, and only the callback's event is back in the buffer.
+    """
+    from airflow.utils.state import CallbackState
+
+    runner = scheduler_job_runner
+    executor = runner.executor
+    (ti,) = make_running_tis(
+        dag_maker, session, dag_id="callback_error", task_ids=("queued",), queued_by_job_id=runner.job.id
+    )
+    callback_key = make_queued_callback(session)
+    executor.event_buffer[callback_key] = (CallbackState.SUCCESS, None)
+    executor.event_buffer[ti.key] = (TaskInstanceState.QUEUED, "external-id-1")
+    session.expunge_all()
+
+    with reject_callback_updates():
+        try:
+            executor_events_step(runner)
+        except Exception as e:
+            pytest.fail(f"the executor-event step raised {e!r}: the scheduler would exit")
+
+    assert committed_ti("callback_error", "queued") == (TaskInstanceState.RUNNING, "external-id-1")
+    assert committed_callback_state(callback_key) == CallbackState.QUEUED
+    assert list(executor.event_buffer) == [callback_key]
+
+
+@pytest.mark.guard
+def test_dag_test_event_processing_raises_a_database_error(dag_maker, session, scheduler_job_runner):
+    """
+    Review finding 4: ``dag.test()`` processes its executor's events with ``process_executor_events`` in its own
+    session, with no scheduler loop to put events back for. A database error there raises (as on the release)
+    instead of putting the event back, which ``dag.test()`` would retry forever.
+    """
+    from airflow.jobs.scheduler_job_runner import SchedulerJobRunner
+    from airflow.models.dagbag import DBDagBag
+
+    executor = scheduler_job_runner.executor
+    (ti,) = make_running_tis(dag_maker, session, dag_id="dag_test_error", task_ids=(POISON,))
+    executor.event_buffer[ti.key] = (TaskInstanceState.FAILED, None)
+    session.expunge_all()
+
+    with reject_updates_of(POISON):
+        try:
+            with pytest.raises(Exception, match="rejected by test trigger"):
+                SchedulerJobRunner.process_executor_events(
+                    executor=executor, job_id=None, scheduler_dag_bag=DBDagBag(), session=session
+                )
+        finally:
+            session.rollback()  # its row locks, before the trigger is dropped
+    assert executor.event_buffer == {}, "the event was put back: dag.test() would retry it forever"
