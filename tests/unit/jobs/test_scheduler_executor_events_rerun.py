@@ -20,7 +20,6 @@ import pytest
 import time_machine
 from sqlalchemy import select, text
 
-import airflow
 from airflow import settings
 from airflow._shared.timezones import timezone as tz
 from airflow.models.taskinstance import TaskInstance
@@ -39,14 +38,7 @@ from tests.unit.ti_race import executor_events_step, make_running_tis
 
 P_KEEP = "Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch"
 
-pytestmark = [
-    pytest.mark.db_test,
-    pytest.mark.skipif(
-        airflow.__version__.startswith(("3.1.", "3.2.")),
-        reason="the 3.2.2 and 3.1.8 queues keep the savepoint shape of the executor-events patch (issue 32 "
-        "re-done it on 3.3.2 and 3.4.0b2 only)",
-    ),
-]
+pytestmark = pytest.mark.db_test
 
 
 def failing_dag_lookup(monkeypatch, runner, dag_id: str) -> None:
