@@ -20,6 +20,7 @@ import pytest
 import time_machine
 from sqlalchemy import select, text
 
+import airflow
 from airflow import settings
 from airflow._shared.timezones import timezone as tz
 from airflow.models.taskinstance import TaskInstance
@@ -176,6 +177,11 @@ def reject_callback_updates():
 
 
 @pytest.mark.skipif(not HAS_CALLBACK_EVENTS, reason="no callback events on this base")
+@pytest.mark.skipif(
+    airflow.__version__.startswith("3.2.") and BACKEND == "sqlite",
+    reason="3.2.x on SQLite cannot apply a callback's executor event (a StatementError in SQLAlchemy's Uuid "
+    "bind of its str key; fixed upstream in 3.3), with or without the series",
+)
 @pytest.mark.proves(P_KEEP)
 def test_callback_state_update_failing_every_loop_holds_back_no_other_event(
     dag_maker, session, scheduler_job_runner
