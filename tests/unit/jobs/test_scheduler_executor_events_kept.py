@@ -66,41 +66,37 @@ NO_SAVEPOINT_ON_SQLITE = (
 
 
 @contextmanager
-def reject_updates_of(task_id: str):
+def reject_updates(table: str, task_id: str | None = None):
     """
-    A database trigger that rejects every UPDATE of the task instance row(s) with ``task_id`` with
-    the database's own integrity error (postgres 23503, MySQL/MariaDB 1451), until the block ends.
+    A database trigger that rejects every UPDATE of a ``table`` row (of ``task_id``'s row(s) only, if given)
+    with the database's own integrity error (postgres 23503, MySQL/MariaDB 1451), until the block ends.
     """
+    name = f"test_reject_{table}_update"
+    message = f"update of {table} rejected by test trigger"
     with settings.engine.begin() as conn:
         if BACKEND == "postgres":
+            when = f"WHEN (OLD.task_id = '{task_id}') " if task_id else ""
             conn.execute(
                 text(
-                    "CREATE OR REPLACE FUNCTION test_reject_ti_update() RETURNS trigger AS $$ BEGIN "
-                    "RAISE EXCEPTION 'update of task instance % rejected by test trigger', OLD.task_id "
-                    "USING ERRCODE = 'foreign_key_violation'; END $$ LANGUAGE plpgsql"
+                    f"CREATE OR REPLACE FUNCTION {name}() RETURNS trigger AS $$ BEGIN RAISE EXCEPTION "
+                    f"'{message}' USING ERRCODE = 'foreign_key_violation'; END $$ LANGUAGE plpgsql"
                 )
             )
             conn.execute(
                 text(
-                    "CREATE TRIGGER test_reject_ti_update BEFORE UPDATE ON task_instance FOR EACH ROW "
-                    f"WHEN (OLD.task_id = '{task_id}') EXECUTE FUNCTION test_reject_ti_update()"
+                    f"CREATE TRIGGER {name} BEFORE UPDATE ON {table} FOR EACH ROW {when}EXECUTE FUNCTION {name}()"
                 )
             )
         elif BACKEND == "mysql":
-            conn.execute(
-                text(
-                    "CREATE TRIGGER test_reject_ti_update BEFORE UPDATE ON task_instance FOR EACH ROW "
-                    f"BEGIN IF OLD.task_id = '{task_id}' THEN SIGNAL SQLSTATE '23000' SET "
-                    "MESSAGE_TEXT = 'update of task instance rejected by test trigger', "
-                    "MYSQL_ERRNO = 1451; END IF; END"
-                )
-            )
+            signal = f"SIGNAL SQLSTATE '23000' SET MESSAGE_TEXT = '{message}', MYSQL_ERRNO = 1451"
+            body = f"BEGIN IF OLD.task_id = '{task_id}' THEN {signal}; END IF; END" if task_id else signal
+            conn.execute(text(f"CREATE TRIGGER {name} BEFORE UPDATE ON {table} FOR EACH ROW {body}"))
         else:
+            when = f"WHEN OLD.task_id = '{task_id}' " if task_id else ""
             conn.execute(
                 text(
-                    "CREATE TRIGGER test_reject_ti_update BEFORE UPDATE ON task_instance FOR EACH ROW "
-                    f"WHEN OLD.task_id = '{task_id}' BEGIN "
-                    "SELECT RAISE(ABORT, 'update of task instance rejected by test trigger'); END"
+                    f"CREATE TRIGGER {name} BEFORE UPDATE ON {table} FOR EACH ROW {when}"
+                    f"BEGIN SELECT RAISE(ABORT, '{message}'); END"
                 )
             )
     try:
@@ -108,13 +104,15 @@ def reject_updates_of(task_id: str):
     finally:
         with settings.engine.begin() as conn:
             conn.execute(
-                text(
-                    "DROP TRIGGER IF EXISTS test_reject_ti_update"
-                    + (" ON task_instance" if BACKEND == "postgres" else "")
-                )
+                text(f"DROP TRIGGER IF EXISTS {name}" + (f" ON {table}" if BACKEND == "postgres" else ""))
             )
             if BACKEND == "postgres":
-                conn.execute(text("DROP FUNCTION IF EXISTS test_reject_ti_update()"))
+                conn.execute(text(f"DROP FUNCTION IF EXISTS {name}()"))
+
+
+def reject_updates_of(task_id: str):
+    """A database trigger that rejects every UPDATE of the task instance row(s) with ``task_id``."""
+    return reject_updates("task_instance", task_id)
 
 
 class _CallbackDef:

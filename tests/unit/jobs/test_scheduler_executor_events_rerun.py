@@ -13,12 +13,11 @@ rolls back the step (or pass) and handles each event (or task instance) again in
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
 import time_machine
-from sqlalchemy import select, text
+from sqlalchemy import select
 
 import airflow
 from airflow import settings
@@ -30,6 +29,7 @@ from tests.unit.harness.compat import HAS_CALLBACK_EVENTS, put_back_key
 from tests.unit.harness.env import BACKEND
 from tests.unit.jobs.test_scheduler_executor_events_kept import (
     POISON,
+    reject_updates,
     committed_callback_state,
     committed_ti,
     make_queued_callback,
@@ -129,53 +129,6 @@ def test_db_error_swallowed_in_the_purge_dag_lookup_holds_back_only_its_task_ins
     }
 
 
-@contextmanager
-def reject_callback_updates():
-    """A database trigger that rejects every UPDATE of a ``callback`` row, until the block ends."""
-    with settings.engine.begin() as conn:
-        if BACKEND == "postgres":
-            conn.execute(
-                text(
-                    "CREATE OR REPLACE FUNCTION test_reject_callback_update() RETURNS trigger AS $$ BEGIN "
-                    "RAISE EXCEPTION 'update of callback rejected by test trigger' "
-                    "USING ERRCODE = 'foreign_key_violation'; END $$ LANGUAGE plpgsql"
-                )
-            )
-            conn.execute(
-                text(
-                    "CREATE TRIGGER test_reject_callback_update BEFORE UPDATE ON callback FOR EACH ROW "
-                    "EXECUTE FUNCTION test_reject_callback_update()"
-                )
-            )
-        elif BACKEND == "mysql":
-            conn.execute(
-                text(
-                    "CREATE TRIGGER test_reject_callback_update BEFORE UPDATE ON callback FOR EACH ROW "
-                    "SIGNAL SQLSTATE '23000' SET MESSAGE_TEXT = 'update of callback rejected by test trigger', "
-                    "MYSQL_ERRNO = 1451"
-                )
-            )
-        else:
-            conn.execute(
-                text(
-                    "CREATE TRIGGER test_reject_callback_update BEFORE UPDATE ON callback FOR EACH ROW "
-                    "BEGIN SELECT RAISE(ABORT, 'update of callback rejected by test trigger'); END"
-                )
-            )
-    try:
-        yield
-    finally:
-        with settings.engine.begin() as conn:
-            conn.execute(
-                text(
-                    "DROP TRIGGER IF EXISTS test_reject_callback_update"
-                    + (" ON callback" if BACKEND == "postgres" else "")
-                )
-            )
-            if BACKEND == "postgres":
-                conn.execute(text("DROP FUNCTION IF EXISTS test_reject_callback_update()"))
-
-
 @pytest.mark.skipif(not HAS_CALLBACK_EVENTS, reason="no callback events on this base")
 @pytest.mark.skipif(
     airflow.__version__.startswith("3.2.") and BACKEND == "sqlite",
@@ -202,7 +155,7 @@ def test_callback_state_update_failing_every_loop_holds_back_no_other_event(
     executor.event_buffer[ti.key] = (TaskInstanceState.QUEUED, "external-id-1")
     session.expunge_all()
 
-    with reject_callback_updates():
+    with reject_updates("callback"):
         try:
             executor_events_step(runner)
         except Exception as e:
