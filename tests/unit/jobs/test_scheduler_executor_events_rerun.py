@@ -129,6 +129,61 @@ def test_db_error_swallowed_in_the_purge_dag_lookup_holds_back_only_its_task_ins
     }
 
 
+@pytest.mark.proves(P_KEEP)
+def test_fail_fast_sibling_stopped_in_a_rerun_pass_is_released_by_the_executor(
+    dag_maker, session, scheduler_job_runner
+):
+    """
+    A fail_fast Dag's running ``t1`` and ``t3`` both timed out (their workers are gone), and a timed-out task instance
+    of another Dag whose UPDATE the database rejects makes the heartbeat-timeout pass fail: it is rolled back and
+    redone one task instance per pass. The pass of the first of ``t1`` / ``t3`` stops the other (fail_fast), and the
+    other's pass still tells the executor, as the single pass does
+    (``test_fail_fast_in_the_pass_releases_the_other_timed_out_try``); else the executor counts a try whose worker is
+    gone as running until the scheduler restarts (a parallelism slot lost).
+    """
+    from airflow.providers.standard.operators.empty import EmptyOperator
+
+    runner = scheduler_job_runner
+    with time_machine.travel(tz.utcnow(), tick=False) as clock:
+        with dag_maker("rerun_fail_fast", schedule=None, session=session, fail_fast=True):
+            t1 = EmptyOperator(task_id="t1", retries=0)
+            t1 >> EmptyOperator(task_id="t2", retries=0)
+            EmptyOperator(task_id="t3", retries=0)
+        dag_run = dag_maker.create_dagrun()
+        siblings = [dag_run.get_task_instance(t, session=session) for t in ("t1", "t3")]
+        (poison,) = make_running_tis(dag_maker, session, dag_id="rerun_fail_fast_other", task_ids=(POISON,))
+        for ti in (*siblings, poison):
+            ti.state = TaskInstanceState.RUNNING
+            ti.try_number = 1
+            ti.hostname = "worker-1"
+            ti.start_date = ti.last_heartbeat_at = tz.utcnow()
+            ti.queued_by_job_id = runner.job.id
+        session.commit()
+        keys = {ti.task_id: ti.key for ti in siblings}
+        runner.executor.running.update([*keys.values(), poison.key])
+        session.expunge_all()
+        clock.shift(timedelta(seconds=runner._task_instance_heartbeat_timeout_secs + 60))
+        with reject_updates_of(POISON):
+            runner._find_and_purge_task_instances_without_heartbeats()
+
+    with settings.NonScopedSession() as s:
+        states = dict(
+            s.execute(
+                select(TaskInstance.task_id, TaskInstance.state).where(
+                    TaskInstance.dag_id.in_(("rerun_fail_fast", "rerun_fail_fast_other"))
+                )
+            ).all()
+        )
+    assert states == {
+        "t1": TaskInstanceState.FAILED,
+        "t2": TaskInstanceState.SKIPPED,
+        "t3": TaskInstanceState.FAILED,
+        POISON: TaskInstanceState.RUNNING,
+    }
+    leaked = sorted(task_id for task_id, key in keys.items() if key in runner.executor.running)
+    assert not leaked, f"the executor still counts the stopped try of {leaked} as running"
+
+
 @pytest.mark.skipif(not HAS_CALLBACK_EVENTS, reason="no callback events on this base")
 @pytest.mark.skipif(
     airflow.__version__.startswith("3.2.") and BACKEND == "sqlite",

@@ -2,29 +2,27 @@
 """
 Defects of the re-run design of the executor-events patch (no savepoints; a failed transaction is rolled back
 and its work redone one event, or one timed-out task instance, per transaction), found by a review that tried
-to break it (2026-12-07). Each test fails on the series as it is (a strict xfail: a known limit, not fixed; see
+to break it (2026-12-07; its fail_fast finding is fixed: ``test_scheduler_executor_events_rerun.py``). Each test fails on the series as it is (a strict xfail: a known limit, not fixed; see
 docs/series-v3.md) and would pass once its defect is fixed. 3.3.2's queue only (the review's base).
 
 The database errors are real ones, raised by the database at a chosen point: a ``task_reschedule`` row for the
-failing try's old id inserted right before the UPDATE that rotates the id (``ForeignKeyViolationOnce``), a trigger
+failing try's old id inserted right before its first UPDATE (``ForeignKeyViolationOnce``), a trigger
 that rejects the UPDATE of one task instance (``reject_updates_of``).
 """
 
 from __future__ import annotations
 
-import re
 import threading
 from datetime import datetime, timedelta
 
 import pytest
 import time_machine
-from sqlalchemy import event, insert, select
+from sqlalchemy import event, select
 
 import airflow
 from airflow import settings
 from airflow.jobs import scheduler_job_runner as sjr
 from airflow._shared.timezones import timezone
-from airflow.models.taskreschedule import TaskReschedule
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
 
@@ -74,50 +72,6 @@ def committed_states(dag_id: str) -> dict[str, str | None]:
         return dict(s.execute(select(TI.task_id, TI.state).where(TI.dag_id == dag_id)).all())
 
 
-class ForeignKeyViolationAtIdRotationOf:
-    """
-    Once, on this thread, right before the UPDATE that gives the try of ``ti_id`` its next id (retry preparation),
-    insert a ``task_reschedule`` row for ``ti_id`` on the same connection: that UPDATE then fails with the
-    database's own foreign-key error. (``ForeignKeyViolationOnce`` arms on the first UPDATE of any task instance,
-    before retry preparation deletes the try's ``task_reschedule`` rows when another task instance comes first.)
-    """
-
-    SET_CLAUSE = re.compile(r"^\s*UPDATE task_instance SET (.*?) WHERE ", re.IGNORECASE | re.DOTALL)
-
-    def __init__(self, ti_id):
-        self.ti_id = ti_id
-        self.needles = (str(ti_id), getattr(ti_id, "hex", str(ti_id)))
-        self.thread = threading.current_thread()
-        self.fired = False
-        event.listen(settings.engine, "before_cursor_execute", self._before)
-
-    def _before(self, conn, cursor, statement, parameters, context, executemany):
-        if self.fired or threading.current_thread() is not self.thread:
-            return
-        match = self.SET_CLAUSE.match(statement)
-        if not match or not re.search(r"(^|,)\s*id\s*=", match.group(1)):
-            return
-        if not any(needle in repr(parameters) for needle in self.needles):
-            return
-        self.fired = True
-        now = timezone.utcnow()
-        conn.execute(
-            insert(TaskReschedule.__table__),
-            [
-                {
-                    "ti_id": self.ti_id,
-                    "start_date": now,
-                    "end_date": now,
-                    "duration": 0,
-                    "reschedule_date": now,
-                }
-            ],
-        )
-
-    def remove(self):
-        event.remove(settings.engine, "before_cursor_execute", self._before)
-
-
 @pytest.fixture
 def counted(monkeypatch):
     """``(name, tags)`` of every metric the scheduler and failure handling count (the real ``incr`` still runs)."""
@@ -141,57 +95,6 @@ def counts_of(calls, name: str) -> dict[str, int]:
         if metric == name:
             by_task[tags.get("task_id")] = by_task.get(tags.get("task_id"), 0) + 1
     return by_task
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="known limit: in a heartbeat-timeout pass redone one task instance per transaction, a try that an earlier re-run pass's fail_fast stopped is no longer found, so the executor is not told (change_state) and counts it as running until the scheduler restarts; the single pass tells it",
-)
-def test_fail_fast_sibling_stopped_in_a_rerun_pass_is_released_by_the_executor(
-    dag_maker, session, scheduler_job_runner
-):
-    """
-    A fail_fast DAG's running ``t1`` and ``t3`` both timed out (their workers are gone), and a third timed-out
-    task instance of another DAG makes the heartbeat-timeout pass fail once (a database error): the pass is rolled
-    back and redone one task instance per pass. The pass of the first of ``t1`` / ``t3`` stops the other
-    (fail_fast: FAILED), so the other's own pass no longer finds it running, and nobody tells the executor: it
-    counts a try whose worker is gone as running for ever (a lost parallelism slot). The single pass tells the
-    executor of a sibling it ended (``test_fail_fast_in_the_pass_releases_the_other_timed_out_try``); the re-run
-    must too.
-    """
-    runner = scheduler_job_runner
-    with time_machine.travel(T0, tick=False) as clock:
-        with dag_maker("rerun_fail_fast", session=session, fail_fast=True):
-            t1 = EmptyOperator(task_id="t1", retries=0)
-            t2 = EmptyOperator(task_id="t2", retries=0)
-            EmptyOperator(task_id="t3", retries=0)
-            t1 >> t2
-        dr = dag_maker.create_dagrun()
-        keys = {t: start_running(session, dr, runner, t).key for t in ("t1", "t3")}
-        with dag_maker("rerun_fail_fast_other", session=session):
-            EmptyOperator(task_id="x", retries=1)
-        x = start_running(session, dag_maker.create_dagrun(), runner, "x")
-        x_id = x.id
-        runner.executor.running.update([*keys.values(), x.key])
-        session.close()
-        clock.shift(timedelta(seconds=runner._task_instance_heartbeat_timeout_secs + 60))
-
-        injected = ForeignKeyViolationAtIdRotationOf(x_id)  # the retry of x rotates its id: fails once
-        try:
-            runner._find_and_purge_task_instances_without_heartbeats()
-        finally:
-            injected.remove()
-    assert injected.fired, "the pass did not fail"
-
-    assert committed_states("rerun_fail_fast") == {
-        "t1": FAILED,
-        "t2": TaskInstanceState.SKIPPED,
-        "t3": FAILED,
-    }
-    assert committed_states("rerun_fail_fast_other") == {"x": UP_FOR_RETRY}
-    leaked = sorted(k.task_id for k in runner.executor.running & set(keys.values()))
-    assert not leaked, f"the executor still counts the stopped try of {leaked} as running"
 
 
 @pytest.mark.xfail(
