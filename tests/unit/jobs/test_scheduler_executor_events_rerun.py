@@ -27,6 +27,7 @@ from airflow.utils.state import TaskInstanceState
 
 from tests.unit.harness.compat import HAS_CALLBACK_EVENTS, put_back_key
 from tests.unit.harness.env import BACKEND
+from tests.unit.harness.series import BASE_VERSION, _release
 from tests.unit.jobs.test_scheduler_executor_events_kept import (
     POISON,
     reject_updates,
@@ -182,6 +183,48 @@ def test_fail_fast_sibling_stopped_in_a_rerun_pass_is_released_by_the_executor(
     }
     leaked = sorted(task_id for task_id, key in keys.items() if key in runner.executor.running)
     assert not leaked, f"the executor still counts the stopped try of {leaked} as running"
+
+
+@pytest.mark.skipif(
+    _release(BASE_VERSION) < (3, 4),
+    reason="3.4's purge notifies the listeners of a restarting try itself; before 3.4 handle_failure does, after the commit",
+)
+@pytest.mark.proves(P_KEEP)
+def test_restarting_try_of_a_rerun_pass_is_notified_once(
+    dag_maker, session, scheduler_job_runner, listener_manager
+):
+    """
+    Two timed-out tries that a clear set restarting, one whose UPDATE the database rejects: the heartbeat-timeout
+    pass is rolled back and redone one task instance per pass. The listeners hear of the one whose restart is
+    committed, once, and never of the one whose restart was rolled back (the 3.4 purge notified them inline,
+    before the commit: once per pass that ran it, committed or not).
+    """
+    from airflow.listeners import hookimpl
+
+    class Recorder:
+        def __init__(self):
+            self.task_ids: list[str] = []
+
+        @hookimpl
+        def on_task_instance_failed(self, previous_state, task_instance, error):
+            self.task_ids.append(task_instance.task_id)
+
+    recorder = Recorder()
+    listener_manager(recorder)
+    runner = scheduler_job_runner
+    with time_machine.travel(tz.utcnow(), tick=False) as clock:
+        tis = make_running_tis(dag_maker, session, dag_id="rerun_restarting", task_ids=("ok", POISON))
+        for ti in tis:
+            ti.state = TaskInstanceState.RESTARTING
+            ti.queued_by_job_id = runner.job.id
+            ti.last_heartbeat_at = tz.utcnow()
+        session.commit()
+        session.expunge_all()
+        clock.shift(timedelta(seconds=runner._task_instance_heartbeat_timeout_secs + 60))
+        with reject_updates_of(POISON):
+            runner._find_and_purge_task_instances_without_heartbeats()
+
+    assert recorder.task_ids == ["ok"]
 
 
 @pytest.mark.skipif(not HAS_CALLBACK_EVENTS, reason="no callback events on this base")
