@@ -130,6 +130,11 @@ def test_db_error_swallowed_in_the_purge_dag_lookup_holds_back_only_its_task_ins
     }
 
 
+@pytest.mark.skipif(
+    airflow.__version__.startswith("3.4."),
+    reason="3.4's purge (#68008) skips a try that is no longer running without telling the executor, so even its "
+    "single pass leaves a try that fail_fast stopped counted as running, with or without the series",
+)
 @pytest.mark.proves(P_KEEP)
 def test_fail_fast_sibling_stopped_in_a_rerun_pass_is_released_by_the_executor(
     dag_maker, session, scheduler_job_runner
