@@ -336,6 +336,22 @@ def top_level(module: ast.Module) -> dict[str, ast.stmt]:
     return names
 
 
+def guarded_names(module: ast.Module) -> set[str]:
+    """Names bound only inside a module-level block (``if HAS_X:`` imports, ``try``/``except ImportError``), which
+    :func:`top_level` leaves out: an inlined helper that uses one would name nothing in the export."""
+    bound = set()
+    for node in module.body:
+        if isinstance(node, ast.If | ast.Try | ast.With) and not (
+            isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        ):
+            for n in ast.walk(node):
+                if isinstance(n, ast.Import | ast.ImportFrom):
+                    bound |= {(a.asname or a.name).split(".")[0] for a in n.names}
+                elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                    bound.add(n.id)
+    return bound - set(top_level(module))
+
+
 def one_import(node: ast.stmt, name: str) -> str | None:
     """The import of ``name`` alone that the statement ``node`` makes (its alias kept), else None."""
     if isinstance(node, ast.Import | ast.ImportFrom):
@@ -447,6 +463,7 @@ class Inliner:
         emitted: set[int] = set()
         inlined: list[str] = []
         taken = {name: "own" for name, node in own.items() if id(node) not in removed}
+        own_guarded = guarded_names(module)
 
         def visit(origin: Path, name: str) -> None:
             if (origin, name) in done:
@@ -561,6 +578,15 @@ class Inliner:
                         refs.append(o_names[n.id])
                     elif n.id not in o_modules:
                         refs.append((origin, n.id))
+                elif (
+                    isinstance(n, ast.Name)
+                    and n.id in guarded_names(mod)
+                    and n.id not in taken
+                    and n.id not in own_guarded
+                ):
+                    left.append(
+                        f"{n.id} (from {origin.relative_to(self.root)}: bound in a module-level block)"
+                    )
             for ref in refs:
                 visit(*ref)
             defs.append(o_edits.apply())

@@ -836,3 +836,34 @@ def test_a_base_queue_reads_its_own_needs(tmp_path: Path):
     base = [tmp_path / "patches" / "3.4.0b2" / name for name in ("a.patch", "b.patch")]
     assert export.declared_needs(tmp_path, base, base[1]) == [base[0]]
     assert export.patch_notes(tmp_path, base[1])["status"] == "s"
+
+
+GUARDED = """import pytest
+
+from tests.unit.helpers import make_callback
+
+
+@pytest.mark.proves("Mine.patch")
+def test_callback(session):
+    assert make_callback()
+"""
+GUARDED_HELPERS = """HAS_CALLBACKS = True
+
+if HAS_CALLBACKS:
+    from airflow.models.callback import ExecutorCallback
+else:
+    ExecutorCallback = None
+
+
+def make_callback():
+    return ExecutorCallback()
+"""
+
+
+def test_a_helper_using_a_name_bound_in_a_module_level_block_reports_it_left(tmp_path: Path):
+    """The helper's module binds ``ExecutorCallback`` only inside ``if HAS_CALLBACKS:``, which is not copied: the
+    inlined helper would raise NameError upstream, so the export reports the name left instead of nothing."""
+    module = _project(tmp_path, GUARDED, {"helpers.py": GUARDED_HELPERS})
+    text, inlined, left = _find_one(tmp_path, module, "test_callback")
+    assert "def make_callback():" in text
+    assert left == ["ExecutorCallback (from tests/unit/helpers.py: bound in a module-level block)"]

@@ -64,6 +64,7 @@ from airflow.utils.sqlalchemy import is_lock_not_available_error, with_row_locks
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit.harness import env, series
+from tests.unit.harness.series import carries
 from tests.unit.harness.scheduler import once_its_heartbeat_timed_out, process_events_of_dead_process
 
 if TYPE_CHECKING:
@@ -494,15 +495,17 @@ def test_send_callback_with_session_joins_the_callers_transaction(
 # ----------------------------------------------------------------------------------------------
 # Compatibility: executors overriding send_callback(self, request)
 # ----------------------------------------------------------------------------------------------
-# 3.4: so too once its queue carries the executor-events patch (patch 3 there).
+# 3.4: skipped so too once its queue carries the executor-events patch (patch 3 there): the second marker, on the
+# harness's bare carries(), which an export drops (it holds no later patch).
+LEGACY_SEND_ON_SQLITE = "series v3 makes a legacy executor's send after the failure is written; called without a callback_sink (as here, not by the scheduler loop) it runs while the caller holds SQLite's write lock and waits for it"
+
+
+@pytest.mark.skipif(series.V3 and not ON_3_4 and env.BACKEND == "sqlite", reason=LEGACY_SEND_ON_SQLITE)
 @pytest.mark.skipif(
     series.V3
-    and (
-        not ON_3_4
-        or series.carries("Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch")
-    )
+    and carries("Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch")
     and env.BACKEND == "sqlite",
-    reason="series v3 makes a legacy executor's send after the failure is written; called without a callback_sink (as here, not by the scheduler loop) it runs while the caller holds SQLite's write lock and waits for it",
+    reason=LEGACY_SEND_ON_SQLITE,
 )
 @pytest.mark.db_test
 @pytest.mark.proves(PATCH)

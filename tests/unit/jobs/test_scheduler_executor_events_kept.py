@@ -130,7 +130,12 @@ def queued_and_poison_with_a_callback(dag_maker, session, runner, dag_id: str, q
     return {ti.task_id: ti for ti in tis}, make_queued_callback(session) if HAS_CALLBACK_EVENTS else None
 
 
-def make_queued_callback(session) -> CallbackKey:
+def make_queued_callback(session):
+    """A queued executor callback; its executor-event key."""
+    # Imported here (only bases with callback events call it), so that a module importing this helper gets it whole.
+    from airflow.models.callback import CallbackFetchMethod, ExecutorCallback
+    from airflow.utils.state import CallbackState
+
     callback = ExecutorCallback(_CallbackDef(), fetch_method=CallbackFetchMethod.IMPORT_PATH)
     callback.state = CallbackState.QUEUED
     session.add(callback)
@@ -138,7 +143,9 @@ def make_queued_callback(session) -> CallbackKey:
     return callback_key_of(callback.id)
 
 
-def committed_callback_state(key: CallbackKey) -> str | None:
+def committed_callback_state(key) -> str | None:
+    from airflow.models.callback import Callback
+
     with settings.NonScopedSession() as s:
         return s.scalar(select(Callback.state).where(Callback.id == callback_key_uuid(key)))
 

@@ -5,9 +5,8 @@ A database error while the heartbeat-timeout purge fails one TI does not stop th
 Since ``Fail-heartbeat-timed-out-tries-in-the-same-pass.patch`` the purge runs ``ti.handle_failure``
 (retry preparation, id rotation, fail_fast) for each timed-out TI; since the executor-event patch a
 database error there is logged, the pass is rolled back and redone one TI per transaction, so only
-that TI's work is lost and the other timed-out TIs of the pass are handled (the error would otherwise leave the scheduler loop's timer). On 3.3.2 and
-base + patches 1-4 the purge runs no such writes, so the behaviour holds at every step: a guard,
-not a fail-before proof.
+that TI's work is lost and the other timed-out TIs of the pass are handled (the error would otherwise leave the
+scheduler loop's timer).
 
 The error is a real one from the database, injected exactly like the project's own survival test
 (``ForeignKeyViolationOnce``: a task_reschedule row for the old id inserted right before the
@@ -32,7 +31,6 @@ from airflow.models.taskinstance import TaskInstance
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit.harness import series
 from tests.unit.jobs.test_scheduler_survives_failure_handling import ForeignKeyViolationOnce
 
 pytestmark = pytest.mark.db_test
@@ -40,12 +38,8 @@ pytestmark = pytest.mark.db_test
 T0 = datetime(2026, 3, 2, 12, 0, 0, tzinfo=timezone.utc)
 
 
-# Series v3: the purge contains a database error per task instance from the executor-event patch on.
-@(
-    pytest.mark.proves("Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch")
-    if series.V3
-    else pytest.mark.guard
-)
+# Series v3 (every queue): the purge contains a database error per task instance from the executor-event patch on.
+@pytest.mark.proves("Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch")
 def test_purge_survives_db_error_of_one_ti(dag_maker, session, scheduler_job_runner):
     runner = scheduler_job_runner
     with time_machine.travel(T0, tick=False) as clock:
