@@ -27,7 +27,6 @@ from airflow.utils.state import TaskInstanceState
 
 from tests.unit.harness.compat import HAS_CALLBACK_EVENTS, put_back_key
 from tests.unit.harness.env import BACKEND
-from tests.unit.harness.series import BASE_VERSION, _release
 from tests.unit.jobs.test_scheduler_executor_events_kept import (
     POISON,
     reject_updates,
@@ -191,7 +190,7 @@ def test_fail_fast_sibling_stopped_in_a_rerun_pass_is_released_by_the_executor(
 
 
 @pytest.mark.skipif(
-    _release(BASE_VERSION) < (3, 4),
+    not hasattr(TaskInstance, "complete_restart"),
     reason="3.4's purge notifies the listeners of a restarting try itself; before 3.4 handle_failure does, after the commit",
 )
 @pytest.mark.proves(P_KEEP)
