@@ -59,6 +59,12 @@ def failing_dag_lookup(monkeypatch, runner, dag_id: str) -> None:
     monkeypatch.setattr(runner.scheduler_dag_bag, "get_dag_for_run", lookup)
 
 
+def committed_states(key, *dag_ids: str) -> dict:
+    """The committed state of each task instance of ``dag_ids``, by ``key`` (a ``TaskInstance`` column)."""
+    with settings.NonScopedSession() as s:
+        return dict(s.execute(select(key, TaskInstance.state).where(TaskInstance.dag_id.in_(dag_ids))).all())
+
+
 @pytest.mark.proves(P_KEEP)
 def test_db_error_swallowed_in_the_dag_lookup_holds_back_only_its_event(
     dag_maker, session, scheduler_job_runner, monkeypatch
@@ -115,15 +121,7 @@ def test_db_error_swallowed_in_the_purge_dag_lookup_holds_back_only_its_task_ins
         except Exception as e:
             pytest.fail(f"the heartbeat-timeout pass raised {e!r}: the scheduler would exit")
 
-    with settings.NonScopedSession() as s:
-        states = dict(
-            s.execute(
-                select(TaskInstance.dag_id, TaskInstance.state).where(
-                    TaskInstance.dag_id.in_(("purge_ok", "purge_lookup_error"))
-                )
-            ).all()
-        )
-    assert states == {
+    assert committed_states(TaskInstance.dag_id, "purge_ok", "purge_lookup_error") == {
         "purge_ok": TaskInstanceState.UP_FOR_RETRY,
         "purge_lookup_error": TaskInstanceState.RUNNING,
     }
@@ -171,15 +169,7 @@ def test_fail_fast_sibling_stopped_in_a_rerun_pass_is_released_by_the_executor(
         with reject_updates_of(POISON):
             runner._find_and_purge_task_instances_without_heartbeats()
 
-    with settings.NonScopedSession() as s:
-        states = dict(
-            s.execute(
-                select(TaskInstance.task_id, TaskInstance.state).where(
-                    TaskInstance.dag_id.in_(("rerun_fail_fast", "rerun_fail_fast_other"))
-                )
-            ).all()
-        )
-    assert states == {
+    assert committed_states(TaskInstance.task_id, "rerun_fail_fast", "rerun_fail_fast_other") == {
         "t1": TaskInstanceState.FAILED,
         "t2": TaskInstanceState.SKIPPED,
         "t3": TaskInstanceState.FAILED,
