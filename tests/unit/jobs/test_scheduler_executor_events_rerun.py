@@ -38,6 +38,12 @@ from tests.unit.jobs.test_scheduler_executor_events_kept import (
 from tests.unit.ti_race import executor_events_step, make_running_tis
 
 P_KEEP = "Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch"
+# 3.4's queue tells the executor of a try fail_fast stopped in a patch of its own (3.4's purge is #68008's).
+P_FAIL_FAST_RELEASE = (
+    "Tell-the-executor-of-a-timed-out-try-that-fail_fast-stopped-in-the-pass.patch"
+    if airflow.__version__.startswith("3.4.")
+    else P_KEEP
+)
 
 pytestmark = pytest.mark.db_test
 
@@ -127,12 +133,7 @@ def test_db_error_swallowed_in_the_purge_dag_lookup_holds_back_only_its_task_ins
     }
 
 
-@pytest.mark.skipif(
-    airflow.__version__.startswith("3.4."),
-    reason="3.4's purge (#68008) skips a try that is no longer running without telling the executor, so even its "
-    "single pass leaves a try that fail_fast stopped counted as running, with or without the series",
-)
-@pytest.mark.proves(P_KEEP)
+@pytest.mark.proves(P_FAIL_FAST_RELEASE)
 def test_fail_fast_sibling_stopped_in_a_rerun_pass_is_released_by_the_executor(
     dag_maker, session, scheduler_job_runner
 ):

@@ -23,6 +23,7 @@ import pytest
 import time_machine
 from sqlalchemy import select, text, update
 
+import airflow
 from airflow import settings
 from airflow._shared.timezones import timezone
 from airflow.callbacks.callback_requests import EmailRequest, TaskCallbackRequest
@@ -38,6 +39,12 @@ P_ROW_LOCK = "Row-lock-the-heartbeat-timeout-scan.patch"
 P_REVALIDATE = "Revalidate-heartbeat-timeouts-under-the-row-lock.patch"
 P_CALLBACK_TYPE = "Derive-heartbeat-timeout-callback-type-from-the-task.patch"
 P_FAIL_SAME_PASS = "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch"
+# 3.4 has the rest of it (#68008); its queue's patch that tells the executor of a try fail_fast stopped in the pass.
+P_FAIL_FAST_RELEASE = (
+    "Tell-the-executor-of-a-timed-out-try-that-fail_fast-stopped-in-the-pass.patch"
+    if airflow.__version__.startswith("3.4.")
+    else P_FAIL_SAME_PASS
+)
 
 
 # Frozen "now" when the task instances last heartbeat; the tests then move past the timeout.
@@ -568,7 +575,7 @@ def test_fail_fast_stops_remaining_tasks_like_executor_event_path(
     assert by_scan_states == by_event_states
 
 
-@pytest.mark.proves(P_FAIL_SAME_PASS)
+@pytest.mark.proves(P_FAIL_FAST_RELEASE)
 def test_fail_fast_in_the_pass_releases_the_other_timed_out_try(
     dag_maker, session, scheduler_job_runner, clock
 ):
@@ -578,7 +585,7 @@ def test_fail_fast_in_the_pass_releases_the_other_timed_out_try(
     where fail_fast sends no callback for the tasks it stops). The purge then must not fail that
     try again, but must still tell the executor, or the executor counts a try whose worker is
     gone as running for ever (a lost parallelism slot). Before this patch revalidation skipped it
-    entirely; on the base nothing was failed in the pass.
+    entirely (so does 3.4's purge, #68008); on the base nothing was failed in the pass.
     """
     runner = scheduler_job_runner
     fail_fast_dag(dag_maker, session, "hb_fail_fast_two")
