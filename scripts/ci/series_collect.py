@@ -86,6 +86,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                 "cls": item.cls.__name__ if getattr(item, "cls", None) else None,
                 "func": getattr(item, "originalname", item.name),
                 "proves": proves if isinstance(proves, str) else None,
+                "base_ok_on": list(marker.kwargs.get("base_ok_on", ())) if marker is not None else [],
                 "indices": dict(callspec.indices) if callspec is not None else {},
                 "fixtures": fixtures,
                 "params": params,

@@ -105,8 +105,10 @@ def test_read_junit_counts_a_real_pytest_run(tmp_path):
     assert run.skip_reasons == ["no row lock on this backend"]
 
 
-def row(without: Run | None, with_: Run | None, modules=("m.py",), left=(), am="ok") -> Row:
-    return Row(Export(1, "P.patch", Path("."), [], list(modules), list(left)), am, without, with_)
+def row(without: Run | None, with_: Run | None, modules=("m.py",), left=(), am="ok", base_ok=False) -> Row:
+    r = Row(Export(1, "P.patch", Path("."), [], list(modules), list(left)), am, without, with_)
+    r.base_ok = base_ok
+    return r
 
 
 @pytest.mark.parametrize(
@@ -116,6 +118,7 @@ def row(without: Run | None, with_: Run | None, modules=("m.py",), left=(), am="
         (row(Run(failed=1, passed=1), Run(passed=2)), "ok"),  # one test the base passes too: the module fails
         (row(Run(failed=1, skipped=1), Run(passed=1, skipped=1)), "ok"),
         (row(Run(passed=2), Run(passed=2)), "passes without the patch"),
+        (row(Run(passed=2), Run(passed=2), base_ok=True), "ok"),  # base_ok_on names this backend for each
         (row(Run(failed=2), Run(passed=1, failed=1)), "fails with the patch"),
         (row(Run(failed=2), Run(code=4)), "fails with the patch"),  # pytest could not run the modules
         (row(Run(skipped=2), Run(skipped=2)), "skipped here"),
