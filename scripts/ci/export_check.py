@@ -287,13 +287,12 @@ def templates_link() -> Path:
     return Path(sysconfig.get_paths()["purelib"]) / "airflow" / "config_templates"
 
 
-def expected_to_pass(row: Row, root: Path) -> None:
+def expected_to_pass(row: Row, items: list[dict]) -> None:
     """Mark ``row`` ok when every test proving its patch names this backend in ``base_ok_on`` (the export drops
-    the marker: upstream has none), i.e. the project says the base is not vulnerable here."""
-    import export
-
+    the marker: upstream has none), i.e. the project says the base is not vulnerable here. ``items``: what
+    ``export.collect`` returned."""
     backend = os.environ["BACKEND"]
-    mine = [it for it in export.collect(root, sys.executable) if it["proves"] == row.export.name]
+    mine = [it for it in items if it["proves"] == row.export.name]
     if mine and all(backend in it["base_ok_on"] for it in mine):
         row.base_ok = True
         row.note = f"passes without it here: every test's base_ok_on names {backend}"
@@ -319,6 +318,7 @@ def check(root: Path, export_dir: Path | None, wanted: list[str], work: Path) ->
     link = templates_link()
     old = os.readlink(link) if link.is_symlink() else None
     rows = []
+    items: list[dict] | None = None
     try:
         if old is not None:  # the task SDK reads core's config.yml there (see noxfile.install)
             link.unlink()
@@ -330,7 +330,11 @@ def check(root: Path, export_dir: Path | None, wanted: list[str], work: Path) ->
             )
             row = check_one(repo, e, root)
             if verdict(row) == "passes without the patch":
-                expected_to_pass(row, root)
+                if items is None:  # collected once, only when needed
+                    import export
+
+                    items = export.collect(root, sys.executable)
+                expected_to_pass(row, items)
             rows.append(row)
             print(f"  -> {verdict(row)}", flush=True)
             for label, run in (("without", row.without), ("with", row.with_)):
