@@ -35,7 +35,7 @@ from tests.unit.jobs.test_scheduler_executor_events_kept import (
     make_queued_callback,
     reject_updates_of,
 )
-from tests.unit.ti_race import executor_events_step, make_running_tis
+from tests.unit.ti_race import ExecutionApi, executor_events_step, make_running_tis
 
 P_KEEP = "Keep-executor-events-until-the-scheduler-s-transaction-commits-them.patch"
 # 3.4's queue tells the executor of a try fail_fast stopped in a patch of its own (3.4's purge is #68008's).
@@ -46,6 +46,35 @@ P_FAIL_FAST_RELEASE = (
 )
 
 pytestmark = pytest.mark.db_test
+
+
+def record_incr(monkeypatch) -> list[str]:
+    """
+    The counters the scheduler increments from now on, each name once per unit (``incr(name, 2)``: twice); the
+    real ``stats.incr`` still runs.
+    """
+    from airflow.jobs import scheduler_job_runner as module
+
+    names: list[str] = []
+    stats = getattr(module, "stats", None) or module.Stats  # 3.2.x / 3.1.x: Stats
+    real = stats.incr
+
+    def incr(name, count=1, *args, **kwargs):
+        names.extend([name] * count)
+        return real(name, count, *args, **kwargs)
+
+    monkeypatch.setattr(stats, "incr", incr)
+    return names
+
+
+def report_failed(api: ExecutionApi, ti_id) -> int:
+    """``PATCH /task-instances/{id}/state`` ``failed``, as the supervisor's ``finish()`` sends it."""
+    body = {"state": "failed", "end_date": tz.utcnow().isoformat()}
+    with api.client() as client:
+        response = client.patch(
+            f"/task-instances/{ti_id}/state", json=body, headers={"Authorization": "Bearer in-process"}
+        )
+    return response.status_code
 
 
 def failing_dag_lookup(monkeypatch, runner, dag_id: str) -> None:
@@ -178,6 +207,68 @@ def test_fail_fast_sibling_stopped_in_a_rerun_pass_is_released_by_the_executor(
     }
     leaked = sorted(task_id for task_id, key in keys.items() if key in runner.executor.running)
     assert not leaked, f"the executor still counts the stopped try of {leaked} as running"
+
+
+@pytest.mark.proves(P_FAIL_FAST_RELEASE)
+def test_try_its_worker_failed_before_its_rerun_pass_is_not_handled_as_timed_out(
+    dag_maker, session, scheduler_job_runner, monkeypatch
+):
+    """
+    Review 2026-12-07 of the fail_fast fix above (its re-run scan also found FAILED tries). Two timed-out running tries; the pass fails on POISON's UPDATE and is rolled back. Before the re-runs, ``t``'s
+    worker reports ``failed`` through the execution API (204). A pass that started now would not find ``t`` (not
+    running): the re-run must not either. It tells the executor ``FAILED`` for ``t`` (LocalExecutor / Celery stop
+    counting / tracking a workload whose process reports itself) and counts it as killed by the heartbeat timeout.
+    """
+    api = ExecutionApi()
+    api.warm_up()
+    runner = scheduler_job_runner
+    with time_machine.travel(tz.utcnow(), tick=False) as clock:
+        (victim,) = make_running_tis(
+            dag_maker, session, dag_id="rerun_worker_failed", task_ids=("t",), retries=0
+        )
+        (poison,) = make_running_tis(
+            dag_maker, session, dag_id="rerun_worker_failed_other", task_ids=(POISON,)
+        )
+        for ti in (victim, poison):
+            ti.queued_by_job_id = runner.job.id
+            ti.last_heartbeat_at = tz.utcnow()
+        session.commit()
+        victim_id = victim.id
+        runner.executor.running.update([victim.key, poison.key])
+        session.expunge_all()
+        clock.shift(timedelta(seconds=runner._task_instance_heartbeat_timeout_secs + 60))
+
+        real = runner._find_and_purge_task_instances_without_heartbeats
+        reported: list[int] = []
+
+        def worker_fails_before_the_reruns(ti_ids=None):
+            if ti_ids is None:  # the first pass (a base without re-runs has no ti_ids)
+                return real()
+            if not reported:
+                reported.append(report_failed(api, victim_id))
+                counters.clear()  # what the re-runs count, only
+            return real(ti_ids=ti_ids)
+
+        counters = record_incr(monkeypatch)
+        monkeypatch.setattr(
+            runner, "_find_and_purge_task_instances_without_heartbeats", worker_fails_before_the_reruns
+        )
+        with reject_updates_of(POISON):
+            runner._find_and_purge_task_instances_without_heartbeats()
+
+    assert reported == [204], "the worker's report"
+    with settings.NonScopedSession() as s:
+        states = dict(
+            s.execute(
+                select(TaskInstance.task_id, TaskInstance.state).where(
+                    TaskInstance.dag_id.in_(("rerun_worker_failed", "rerun_worker_failed_other"))
+                )
+            ).all()
+        )
+    assert states == {"t": TaskInstanceState.FAILED, POISON: TaskInstanceState.RUNNING}
+    told = [(key.task_id, state) for key, state, _ in runner.executor.state_changes]
+    killed = counters.count("task_instances_without_heartbeats_killed")
+    assert (told, killed) == ([], 0), "the re-runs handled the try its worker failed as a timed-out one"
 
 
 @pytest.mark.skipif(

@@ -3,9 +3,8 @@
 Review (2026-12-07) of two changes of the executor-events patch (docs/series-v3.md, docs/3.4.md).
 
 1. 3.3.2 (50cb9da, ported to 3.2.2 / 3.1.8 in a7607ff): a heartbeat-timeout pass redone one task instance per pass
-   also finds FAILED tries (old heartbeat, queued by this job), so that a try an earlier re-run's fail_fast stopped is
-   released by the executor. The re-run's scan cannot tell such a try from one that ended otherwise between the
-   rolled-back pass and the re-run: here its own worker reports ``failed`` through the execution API.
+   also found FAILED tries, so a try its own worker failed in between was handled as timed out. Fixed (a re-run tells
+   the executor only of tries its own fail_fast stopped); its test is in ``test_scheduler_executor_events_rerun.py``.
 2. 3.4.0b2 (8ab29a6): the purge queues the listener call of a restarting try for after the pass's commit, where the
    try has been archived by ``complete_restart`` (the inline call ran before it).
 """
@@ -16,112 +15,16 @@ from datetime import timedelta
 
 import pytest
 import time_machine
-from sqlalchemy import select
 
-from airflow import settings
 from airflow._shared.timezones import timezone as tz
-from airflow.models.taskinstance import TaskInstance
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit.harness.series import BASE_VERSION, _release
 from tests.unit.jobs.test_scheduler_executor_events_kept import POISON, reject_updates_of
-from tests.unit.ti_race import ExecutionApi, make_running_tis
+from tests.unit.jobs.test_scheduler_executor_events_rerun import record_incr
+from tests.unit.ti_race import make_running_tis
 
 pytestmark = pytest.mark.db_test
-
-
-def report_failed(api: ExecutionApi, ti_id) -> int:
-    """``PATCH /task-instances/{id}/state`` ``failed``, as the supervisor's ``finish()`` sends it."""
-    body = {"state": "failed", "end_date": tz.utcnow().isoformat()}
-    with api.client() as client:
-        response = client.patch(
-            f"/task-instances/{ti_id}/state", json=body, headers={"Authorization": "Bearer in-process"}
-        )
-    return response.status_code
-
-
-def record_incr(monkeypatch) -> list[str]:
-    """
-    The counters the scheduler increments from now on, each name once per unit (``incr(name, 2)``: twice); the
-    real ``stats.incr`` still runs.
-    """
-    from airflow.jobs import scheduler_job_runner as module
-
-    names: list[str] = []
-    stats = getattr(module, "stats", None) or module.Stats  # 3.2.x / 3.1.x: Stats
-    real = stats.incr
-
-    def incr(name, count=1, *args, **kwargs):
-        names.extend([name] * count)
-        return real(name, count, *args, **kwargs)
-
-    monkeypatch.setattr(stats, "incr", incr)
-    return names
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="review 2026-12-07, finding 1 (50cb9da / a7607ff; on 3.4 its patch 10): the re-run's scan finds any FAILED try of the "
-    "rolled-back pass, also one its own worker failed in between, and handles it as a try the heartbeat timeout "
-    "killed: executor told FAILED (removed from running), task_instances_without_heartbeats_killed counted",
-)
-def test_try_its_worker_failed_before_its_rerun_pass_is_not_handled_as_timed_out(
-    dag_maker, session, scheduler_job_runner, monkeypatch
-):
-    """
-    Two timed-out running tries; the pass fails on POISON's UPDATE and is rolled back. Before the re-runs, ``t``'s
-    worker reports ``failed`` through the execution API (204). A pass that started now would not find ``t`` (not
-    running): the re-run must not either. It tells the executor ``FAILED`` for ``t`` (LocalExecutor / Celery stop
-    counting / tracking a workload whose process reports itself) and counts it as killed by the heartbeat timeout.
-    """
-    api = ExecutionApi()
-    api.warm_up()
-    runner = scheduler_job_runner
-    with time_machine.travel(tz.utcnow(), tick=False) as clock:
-        (victim,) = make_running_tis(
-            dag_maker, session, dag_id="rerun_worker_failed", task_ids=("t",), retries=0
-        )
-        (poison,) = make_running_tis(
-            dag_maker, session, dag_id="rerun_worker_failed_other", task_ids=(POISON,)
-        )
-        for ti in (victim, poison):
-            ti.queued_by_job_id = runner.job.id
-            ti.last_heartbeat_at = tz.utcnow()
-        session.commit()
-        victim_id = victim.id
-        runner.executor.running.update([victim.key, poison.key])
-        session.expunge_all()
-        clock.shift(timedelta(seconds=runner._task_instance_heartbeat_timeout_secs + 60))
-
-        real = runner._find_and_purge_task_instances_without_heartbeats
-        reported: list[int] = []
-
-        def worker_fails_before_the_reruns(ti_ids=None):
-            if ti_ids is not None and not reported:
-                reported.append(report_failed(api, victim_id))
-                counters.clear()  # what the re-runs count, only
-            return real(ti_ids=ti_ids)
-
-        counters = record_incr(monkeypatch)
-        monkeypatch.setattr(
-            runner, "_find_and_purge_task_instances_without_heartbeats", worker_fails_before_the_reruns
-        )
-        with reject_updates_of(POISON):
-            runner._find_and_purge_task_instances_without_heartbeats()
-
-    assert reported == [204], "the worker's report"
-    with settings.NonScopedSession() as s:
-        states = dict(
-            s.execute(
-                select(TaskInstance.task_id, TaskInstance.state).where(
-                    TaskInstance.dag_id.in_(("rerun_worker_failed", "rerun_worker_failed_other"))
-                )
-            ).all()
-        )
-    assert states == {"t": TaskInstanceState.FAILED, POISON: TaskInstanceState.RUNNING}
-    told = [(key.task_id, state) for key, state, _ in runner.executor.state_changes]
-    killed = counters.count("task_instances_without_heartbeats_killed")
-    assert (told, killed) == ([], 0), "the re-runs handled the try its worker failed as a timed-out one"
 
 
 def _restart_and_retry_tries(dag_maker, session, runner):
