@@ -213,7 +213,7 @@ def test_fail_fast_sibling_stopped_in_a_rerun_pass_is_released_by_the_executor(
 # Without the executor-events patch the pass raises (no re-run); its re-run must not find the try (every base).
 @pytest.mark.proves(P_KEEP)
 def test_try_its_worker_failed_before_its_rerun_pass_is_not_handled_as_timed_out(
-    dag_maker, session, scheduler_job_runner, monkeypatch
+    api, dag_maker, session, scheduler_job_runner, monkeypatch
 ):
     """
     Review 2026-12-07 of the fail_fast fix above (its re-run scan also found FAILED tries). Two timed-out running tries; the pass fails on POISON's UPDATE and is rolled back. Before the re-runs, ``t``'s
@@ -221,8 +221,6 @@ def test_try_its_worker_failed_before_its_rerun_pass_is_not_handled_as_timed_out
     running): the re-run must not either. It tells the executor ``FAILED`` for ``t`` (LocalExecutor / Celery stop
     counting / tracking a workload whose process reports itself) and counts it as killed by the heartbeat timeout.
     """
-    api = ExecutionApi()
-    api.warm_up()
     runner = scheduler_job_runner
     with time_machine.travel(tz.utcnow(), tick=False) as clock:
         (victim,) = make_running_tis(
