@@ -1,11 +1,12 @@
 # Licensed under the Apache License, Version 2.0 (the "License"); see the Apache Airflow project.
 """
-Defects found by a review (2026-12-07, "breaker") of two changes of that morning: the heartbeat-timeout re-run
-pass that scans ``[ti_id, *the other tries of its run the rolled-back pass found]`` (3.3.2's executor-events patch,
-its ports to 3.2.2 / 3.1.8, and 3.4's patch 10), and the failure-listener call made after the commit
-(``_call_failed_listeners_after_commit``; on 3.4 ``_notify_failure_after_commit``, patch 2). Each test is a strict
-xfail where its defect is in the tree under test and would pass once it is fixed; where the tree does not have
-the defect it runs as a plain test.
+Found by a review (2026-12-07, a helper trying to break them) of two changes of that morning, and fixed the same
+day: the heartbeat-timeout re-run pass that scanned ``[ti_id, *the other tries of its run the rolled-back pass
+found]`` (3.3.2's executor-events patch, its ports to 3.2.2 / 3.1.8, and 3.4's patch 10) scans the run's other tries
+only for a fail_fast Dag (a quadratic scan otherwise), and 3.4 tells the executor of a restarting try fail_fast
+skipped; the failure-listener call made after the commit (``_call_failed_listeners_after_commit``; on 3.4
+``_notify_failure_after_commit``, patch 2) unloads what listeners loaded, so the next call of the same run can attach
+its try.
 
 The database errors are real ones: a trigger that rejects the UPDATE of one task instance
 (``reject_updates_of``) makes the first heartbeat-timeout pass fail, so that it is rolled back and redone one
@@ -30,8 +31,8 @@ from airflow.models import taskinstance
 from airflow.models.taskinstance import TaskInstance
 from airflow.utils.state import TaskInstanceState
 
-from tests.unit.harness.series import BASE_VERSION, _release
 from tests.unit.jobs.test_scheduler_executor_events_kept import POISON, reject_updates_of
+from tests.unit.jobs.test_scheduler_executor_events_rerun import P_FAIL_FAST_RELEASE, P_KEEP
 from tests.unit.jobs.test_scheduler_failure_listeners_background import in_background, made
 from tests.unit.ti_race import make_running_tis
 
@@ -43,7 +44,7 @@ FAILED = TaskInstanceState.FAILED
 SKIPPED = TaskInstanceState.SKIPPED
 UP_FOR_RETRY = TaskInstanceState.UP_FOR_RETRY
 
-ON_3_4 = _release(BASE_VERSION) >= (3, 4)
+ON_3_4 = hasattr(TaskInstance, "working_set")  # a try is a row of its own
 # The re-run pass (``ti_ids``) comes with the executor-events patch on every base.
 HAS_RERUN = (
     "ti_ids"
@@ -78,24 +79,15 @@ BIG_RUN = 30  # timed-out tries of one run
 
 
 @needs_rerun
-@pytest.mark.xfail(
-    HAS_RERUN,
-    strict=True,
-    raises=AssertionError,
-    reason="defect (cost): each re-run pass scans and locks every still-running timed-out try of its run that the "
-    "rolled-back pass found, so re-running a pass that found N tries of one run loads and locks N(N+1)/2 rows in N "
-    "transactions where N would do (postgres, 1,000 tries of one run: 501,502 rows, 107 s with the scheduler loop "
-    "blocked; 17.6 s when each re-run scans its own try only)",
-)
+@pytest.mark.proves(P_KEEP)
 def test_rerun_passes_of_a_big_run_scan_each_try_once(dag_maker, session, scheduler_job_runner, monkeypatch):
     """
     A worker node died: the 30 running tries of one run (retries left, no fail_fast) time out together, with one
     try of another Dag whose UPDATE the database rejects. The pass fails on that one, is rolled back and redone one
-    task instance per pass. No re-run can stop another try of the run (no fail_fast): each needs to scan its own
-    try, 31 rows in all. Each re-run scans (``FOR UPDATE SKIP LOCKED``, with its eager loads) ``[ti_id, *the run's
-    other tries]`` and finds all those not yet purged: 30 + 29 + ... + 1. The siblings are needed only by a re-run
-    whose fail_fast stops them; with 1,000 tries (a big mapped task) the re-runs hold the scheduler loop for minutes
-    (postgres 15, 2026-12-07: 107 s; a single pass 11.4 s; re-runs that scan their own try only 17.6 s).
+    task instance per pass. No re-run can stop another try of the run (no fail_fast): each scans its own try, 31 rows
+    in all. When each re-run scanned ``[ti_id, *the run's other tries]`` it found all those not yet purged (30 + 29 +
+    ... + 1); with 1,000 tries (a big mapped task) the re-runs held the scheduler loop for minutes (postgres 15,
+    2026-12-07: 107 s, 501,502 rows; a single pass 11.4 s; re-runs that scan their own try only 17.6 s).
     """
     runner = scheduler_job_runner
     task_ids = tuple(f"t{i:02}" for i in range(BIG_RUN))
@@ -131,14 +123,7 @@ def test_rerun_passes_of_a_big_run_scan_each_try_once(dag_maker, session, schedu
 
 
 @needs_rerun
-@pytest.mark.xfail(
-    ON_3_4,
-    strict=True,
-    raises=AssertionError,
-    reason="defect (3.4, patch 10): fail_fast sets a restarting sibling SKIPPED, not FAILED, and the purge tells the "
-    "executor only of a stopped try that is FAILED: a timed-out restarting try is never released (a parallelism slot "
-    "lost until the scheduler restarts)",
-)
+@pytest.mark.proves(P_FAIL_FAST_RELEASE)
 def test_restarting_sibling_stopped_by_fail_fast_in_a_rerun_pass_is_released_by_the_executor(
     dag_maker, session, scheduler_job_runner
 ):
@@ -147,7 +132,7 @@ def test_restarting_sibling_stopped_by_fail_fast_in_a_rerun_pass_is_released_by_
     worker gone. The re-run pass of ``t1`` (as a pass rolled back on another try makes it:
     ``ti_ids=[t1, r]``) fails ``t1``; fail_fast stops ``r``, which, not running, ``_stop_remaining_tasks`` sets
     SKIPPED. The executor must be told of ``r`` as of any try the pass's fail_fast stopped (3.3.2's purge tells it
-    of every stopped try; 3.4's patch 10 only of a FAILED one). After the pass, ``r`` is no longer found (skipped):
+    of every stopped try; 3.4's patch 10 told it only of a FAILED one until 2026-12-07). After the pass, ``r`` is no longer found (skipped):
     no later pass releases it.
     """
     from airflow.providers.standard.operators.empty import EmptyOperator
@@ -204,23 +189,10 @@ AFTER_COMMIT = any(
     "listener_thread",
     [
         pytest.param(True, id="listener-thread"),
-        pytest.param(
-            False,
-            id="inline",
-            marks=pytest.mark.xfail(
-                AFTER_COMMIT,
-                strict=True,
-                raises=AssertionError,
-                reason="defect (3.4 patch 2; 3.3.2 / 3.2.2 / 3.1.8 core tier, without the background listener "
-                "thread): the after-commit listener call attaches the detached try to a session of its own; the "
-                "first call's read of dag_run.dag_versions loads dag_run.task_instances there, so the run's "
-                "collection holds another object for the other try, and the second call's session.add() cascades "
-                "into it: InvalidRequestError ('another instance with key ... is already present'), logged, and the "
-                "listeners never hear of the second failure",
-            ),
-        ),
+        pytest.param(False, id="inline"),
     ],
 )
+@pytest.mark.guard  # 3.4.0b2 / 3.3.2 call the listeners inline: both calls made
 def test_two_failures_of_one_run_in_one_pass_each_reach_the_listener(
     listener_thread, dag_maker, session, scheduler_job_runner, listener_manager, caplog
 ):
