@@ -373,27 +373,3 @@ def test_dag_test_event_processing_raises_a_database_error(dag_maker, session, s
         finally:
             session.rollback()  # its row locks, before the trigger is dropped
     assert executor.event_buffer == {}, "the event was put back: dag.test() would retry it forever"
-
-
-@pytest.mark.skipif(
-    not hasattr(TaskInstance, "complete_restart"),
-    reason="scheduler.zombies.detected: 3.4's heartbeat-timeout pass counts it",
-)
-@pytest.mark.proves(P_KEEP)
-def test_rolled_back_pass_counts_each_timed_out_try_once(
-    dag_maker, session, scheduler_job_runner, monkeypatch
-):
-    """A pass rolled back and redone one task instance per pass counts each timed-out try it found once."""
-    runner = scheduler_job_runner
-    with time_machine.travel(tz.utcnow(), tick=False) as clock:
-        tis = make_running_tis(dag_maker, session, dag_id="rerun_counted", task_ids=("ok", POISON))
-        for ti in tis:
-            ti.queued_by_job_id = runner.job.id
-            ti.last_heartbeat_at = tz.utcnow()
-        session.commit()
-        session.expunge_all()
-        clock.shift(timedelta(seconds=runner._task_instance_heartbeat_timeout_secs + 60))
-        counters = record_incr(monkeypatch)
-        with reject_updates_of(POISON):
-            runner._find_and_purge_task_instances_without_heartbeats()
-    assert counters.count("scheduler.zombies.detected") == 2

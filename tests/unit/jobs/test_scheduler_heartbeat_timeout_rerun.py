@@ -33,7 +33,7 @@ from airflow.models.taskinstance import TaskInstance
 from airflow.utils.state import TaskInstanceState
 
 from tests.unit.jobs.test_scheduler_executor_events_kept import POISON, reject_updates_of
-from tests.unit.jobs.test_scheduler_executor_events_rerun import P_FAIL_FAST_RELEASE, P_KEEP
+from tests.unit.jobs.test_scheduler_executor_events_rerun import P_FAIL_FAST_RELEASE, P_KEEP, record_incr
 from tests.unit.jobs.test_scheduler_failure_listeners_background import in_background, made
 from tests.unit.ti_race import make_running_tis
 
@@ -233,3 +233,22 @@ def test_two_failures_of_one_run_in_one_pass_each_reach_the_listener(
     assert sorted(listener.calls) == [("a", [1]), ("b", [1])], (
         f"calls made after the commit raised: {logged!r}"
     )
+
+
+@pytest.mark.skipif(
+    not hasattr(TaskInstance, "complete_restart"),
+    reason="scheduler.zombies.detected: 3.4's heartbeat-timeout pass counts it",
+)
+@pytest.mark.proves(P_KEEP)
+def test_rolled_back_pass_counts_each_timed_out_try_once(
+    dag_maker, session, scheduler_job_runner, monkeypatch
+):
+    """A pass rolled back and redone one task instance per pass counts each timed-out try it found once."""
+    runner = scheduler_job_runner
+    with time_machine.travel(tz.utcnow(), tick=False) as clock:
+        tis = make_running_tis(dag_maker, session, dag_id="rerun_counted", task_ids=("ok", POISON))
+        time_out(runner, session, tis, clock)
+        counters = record_incr(monkeypatch)
+        with reject_updates_of(POISON):
+            runner._find_and_purge_task_instances_without_heartbeats()
+    assert counters.count("scheduler.zombies.detected") == 2
