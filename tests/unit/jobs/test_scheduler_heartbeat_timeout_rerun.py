@@ -32,6 +32,7 @@ from airflow.models.dag import DagModel
 from airflow.models.taskinstance import TaskInstance
 from airflow.utils.state import TaskInstanceState
 
+from tests.unit.harness.series import guard_since
 from tests.unit.jobs.test_scheduler_executor_events_kept import POISON, reject_updates_of
 from tests.unit.jobs.test_scheduler_executor_events_rerun import P_FAIL_FAST_RELEASE, P_KEEP, record_incr
 from tests.unit.jobs.test_scheduler_failure_listeners_background import in_background, made
@@ -197,7 +198,9 @@ AFTER_COMMIT = any(
         pytest.param(False, id="inline"),
     ],
 )
-@pytest.mark.guard  # 3.4.0b2 / 3.3.2 call the listeners inline: both calls made
+# 3.3.2 / 3.4.0b2 fail both tries in the pass and call the listeners inline: a guard; 3.2.2 / 3.1.8 fail them in
+# the pass only with the same-pass patch.
+@guard_since("3.3.0", "Fail-heartbeat-timed-out-tries-in-the-same-pass.patch")
 def test_two_failures_of_one_run_in_one_pass_each_reach_the_listener(
     listener_thread, dag_maker, session, scheduler_job_runner, listener_manager, caplog
 ):
