@@ -2,7 +2,9 @@
 """
 Review (2026-12-07, helper "brk") of commit 026a9aa / 3f76b48: the heartbeat-timeout re-run that scans the run's
 other tries only when ``DagModel.fail_fast``, the after-commit failure-listener call that unloads what it loaded,
-and the counters of a pass that is rolled back and re-run. Each defect found is a strict xfail here.
+and the counters of a pass that is rolled back and re-run. Two defects stay strict xfails (known limits,
+docs/series-v3.md); the third (the call unloaded ``dag_run`` from the task instance a listener kept) was fixed the
+same day: the call unloads only the collections loaded (``dag_run.task_instances``); the test guards it.
 """
 
 from __future__ import annotations
@@ -150,12 +152,6 @@ class KeepingListener:
 @pytest.mark.parametrize(
     "listener_thread",
     [pytest.param(True, id="listener-thread"), pytest.param(False, id="inline")],
-)
-@pytest.mark.xfail(
-    strict=True,
-    reason="brk 2026-12-07: after the listener returns, the after-commit call unloads the relationships it "
-    "loaded from the task instance it gave the listener (dag_run too), so a listener that kept it and reads "
-    "task_instance.dag_run later (a worker thread, as OpenLineage's did) gets DetachedInstanceError (passed before 026a9aa)",
 )
 def test_listener_that_keeps_the_task_instance_reads_its_dag_run_after_the_call(
     listener_thread, dag_maker, session, scheduler_job_runner, listener_manager
