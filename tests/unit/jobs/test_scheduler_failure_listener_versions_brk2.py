@@ -17,6 +17,7 @@ from airflow.models.taskinstance import TaskInstance
 from tests.unit.jobs.test_scheduler_failure_listeners_background import in_background, made
 from tests.unit.jobs.test_scheduler_heartbeat_timeout_rerun import (
     AFTER_COMMIT,
+    DagVersionsListener,
     HAS_THREAD,
     committed_states,
     time_out,
@@ -41,6 +42,49 @@ class CreatedVersionListener:
         except Exception as e:  # recorded: the hook's caller only logs what a listener raises
             read = f"{type(e).__name__}: {e}"
         self.calls.append((task_instance.task_id, read))
+
+
+def fail_two_tries_of_a_run_with_two_dag_versions(
+    dag_maker, session, runner, monkeypatch, dag_id, *, versioned
+):
+    """
+    A run created with Dag version 1 (``versioned``: a versioned bundle's run, which keeps it); the Dag changed
+    (version 2) and ``a`` was cleared and re-ran with it while ``b`` still runs with version 1. Both time out
+    (no retries left) and are failed in one heartbeat-timeout pass, ``a`` first.
+    """
+    from airflow.providers.standard.operators.empty import EmptyOperator
+
+    with time_machine.travel(tz.utcnow(), tick=False) as clock:
+        with dag_maker(dag_id, schedule=None, session=session):
+            EmptyOperator(task_id="a", retries=0)
+            EmptyOperator(task_id="b", retries=0)
+        dag_run = dag_maker.create_dagrun()
+        if versioned:
+            dag_run.bundle_version = "v1"
+        v1 = dag_run.created_dag_version_id
+        session.commit()
+        with dag_maker(dag_id, schedule=None, session=session):  # the Dag changed: a new version
+            EmptyOperator(task_id="a", retries=0, doc_md="changed")
+            EmptyOperator(task_id="b", retries=0)
+            EmptyOperator(task_id="c", retries=0)
+        v2 = dag_maker.dag_version.id
+        if v2 == v1:
+            pytest.skip("the changed Dag was written into the run's Dag version, not a new one")
+        tis = {t: dag_run.get_task_instance(t, session=session) for t in ("a", "b")}
+        for ti in tis.values():
+            ti.state = RUNNING
+            ti.try_number = 1
+            ti.hostname = "worker-1"
+            ti.start_date = tz.utcnow()
+        tis["a"].dag_version_id = v2  # cleared and re-run with the new version
+        time_out(runner, session, list(tis.values()), clock)
+        real = runner._find_task_instances_without_heartbeats
+        monkeypatch.setattr(  # the pass handles ``a`` before ``b``
+            runner,
+            "_find_task_instances_without_heartbeats",
+            lambda *a, **kw: sorted(real(*a, **kw), key=lambda ti: ti.task_id),
+        )
+        runner._find_and_purge_task_instances_without_heartbeats()
 
 
 @pytest.mark.skipif(not AFTER_COMMIT, reason="no after-commit listener call in this tree")
@@ -70,8 +114,6 @@ def test_two_failures_of_a_run_with_two_dag_versions_each_reach_the_listener(
     failed in one heartbeat-timeout pass, ``a`` first. A listener that reads
     ``task_instance.dag_run.created_dag_version`` must be called for each and read version 1.
     """
-    from airflow.providers.standard.operators.empty import EmptyOperator
-
     if listener_thread and not HAS_THREAD:
         pytest.skip("no background listener thread in this tree")
     listener = CreatedVersionListener()
@@ -80,55 +122,14 @@ def test_two_failures_of_a_run_with_two_dag_versions_each_reach_the_listener(
     if listener_thread:
         in_background(runner)
     dag_id = "one_run_two_versions"
-    with time_machine.travel(tz.utcnow(), tick=False) as clock:
-        with dag_maker(dag_id, schedule=None, session=session):
-            EmptyOperator(task_id="a", retries=0)
-            EmptyOperator(task_id="b", retries=0)
-        dag_run = dag_maker.create_dagrun()
-        v1 = dag_run.created_dag_version_id
-        session.commit()
-        with dag_maker(dag_id, schedule=None, session=session):  # the Dag changed: a new version
-            EmptyOperator(task_id="a", retries=0, doc_md="changed")
-            EmptyOperator(task_id="b", retries=0)
-            EmptyOperator(task_id="c", retries=0)
-        v2 = dag_maker.dag_version.id
-        if v2 == v1:
-            pytest.skip("the changed Dag was written into the run's Dag version, not a new one")
-        tis = {t: dag_run.get_task_instance(t, session=session) for t in ("a", "b")}
-        for ti in tis.values():
-            ti.state = RUNNING
-            ti.try_number = 1
-            ti.hostname = "worker-1"
-            ti.start_date = tz.utcnow()
-        tis["a"].dag_version_id = v2  # cleared and re-run with the new version
-        time_out(runner, session, list(tis.values()), clock)
-        real = runner._find_task_instances_without_heartbeats
-        monkeypatch.setattr(  # the pass handles ``a`` before ``b``
-            runner,
-            "_find_task_instances_without_heartbeats",
-            lambda *a, **kw: sorted(real(*a, **kw), key=lambda ti: ti.task_id),
-        )
-        runner._find_and_purge_task_instances_without_heartbeats()
+    fail_two_tries_of_a_run_with_two_dag_versions(
+        dag_maker, session, runner, monkeypatch, dag_id, versioned=False
+    )
     made(runner)
 
     assert committed_states(dag_id) == {"a": FAILED, "b": FAILED}
     logged = [r.exc_info[1] for r in caplog.records if r.exc_info]
     assert sorted(listener.calls) == [("a", 1), ("b", 1)], f"calls raised: {logged!r}"
-
-
-class DagVersionsListener:
-    """Records each call's task id and what it read of ``task_instance.dag_run.dag_versions``."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, object]] = []
-
-    @hookimpl
-    def on_task_instance_failed(self, previous_state, task_instance, error):
-        try:
-            read: object = [v.version_number for v in task_instance.dag_run.dag_versions]
-        except Exception as e:
-            read = f"{type(e).__name__}: {e}"
-        self.calls.append((task_instance.task_id, read))
 
 
 @pytest.mark.skipif(not AFTER_COMMIT, reason="no after-commit listener call in this tree")
@@ -153,42 +154,13 @@ def test_two_failures_of_a_versioned_run_one_cleared_on_the_latest_version_each_
     that reads ``task_instance.dag_run.dag_versions`` (OpenLineage does) must be called for each and read
     ``[1]``.
     """
-    from airflow.providers.standard.operators.empty import EmptyOperator
-
     listener = DagVersionsListener()
     listener_manager(listener)
     runner = scheduler_job_runner
     dag_id = "versioned_run_two_versions"
-    with time_machine.travel(tz.utcnow(), tick=False) as clock:
-        with dag_maker(dag_id, schedule=None, session=session):
-            EmptyOperator(task_id="a", retries=0)
-            EmptyOperator(task_id="b", retries=0)
-        dag_run = dag_maker.create_dagrun()
-        dag_run.bundle_version = "v1"  # a versioned bundle's run: keeps the version it was created with
-        v1 = dag_run.created_dag_version_id
-        session.commit()
-        with dag_maker(dag_id, schedule=None, session=session):  # the Dag changed: a new version
-            EmptyOperator(task_id="a", retries=0, doc_md="changed")
-            EmptyOperator(task_id="b", retries=0)
-            EmptyOperator(task_id="c", retries=0)
-        v2 = dag_maker.dag_version.id
-        if v2 == v1:
-            pytest.skip("the changed Dag was written into the run's Dag version, not a new one")
-        tis = {t: dag_run.get_task_instance(t, session=session) for t in ("a", "b")}
-        for ti in tis.values():
-            ti.state = RUNNING
-            ti.try_number = 1
-            ti.hostname = "worker-1"
-            ti.start_date = tz.utcnow()
-        tis["a"].dag_version_id = v2  # cleared with run_on_latest_version while the run ran
-        time_out(runner, session, list(tis.values()), clock)
-        real = runner._find_task_instances_without_heartbeats
-        monkeypatch.setattr(  # the pass handles ``a`` before ``b``
-            runner,
-            "_find_task_instances_without_heartbeats",
-            lambda *a, **kw: sorted(real(*a, **kw), key=lambda ti: ti.task_id),
-        )
-        runner._find_and_purge_task_instances_without_heartbeats()
+    fail_two_tries_of_a_run_with_two_dag_versions(
+        dag_maker, session, runner, monkeypatch, dag_id, versioned=True
+    )
     made(runner)
 
     assert committed_states(dag_id) == {"a": FAILED, "b": FAILED}
